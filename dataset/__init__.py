@@ -1,0 +1,1 @@
+"""JSONL datasets and the demo-data generator."""

@@ -1,0 +1,208 @@
+"""Dataset items, loss masks, error messages for bad data, and the committed demo data."""
+
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from dataset.lm_dataset import (BOS_ID, EOS_ID, IGNORE_INDEX, PAD_ID, JsonlFile, PretrainDataset,
+                                SFTDataset, format_chatml, load_tokenizer)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DATA_DIR = REPO_ROOT / "dataset"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(REPO_ROOT / "model" / "tokenizer.json")
+
+
+def write_jsonl(path: Path, lines: list) -> Path:
+    """Write records (dicts) or raw strings, one per line."""
+    with open(path, "w", encoding="utf-8") as f:
+        for line in lines:
+            f.write((line if isinstance(line, str) else json.dumps(line, ensure_ascii=False)) + "\n")
+    return path
+
+
+def chat(*turns: str, system: str | None = None) -> dict:
+    """{"conversations": ...} from alternating user / assistant texts."""
+    messages = [{"role": "system", "content": system}] if system else []
+    for n, text in enumerate(turns):
+        messages.append({"role": "user" if n % 2 == 0 else "assistant", "content": text})
+    return {"conversations": messages}
+
+
+# Pretraining items
+
+
+def test_pretrain_item_is_bos_text_eos_then_padding(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"text": "The capital of Peru is Lima."}])
+    input_ids, labels = PretrainDataset(path, tokenizer, max_seq_len=32)[0]
+    text_ids = tokenizer.encode("The capital of Peru is Lima.").ids
+    n = len(text_ids) + 2
+    assert input_ids.shape == labels.shape == (32,)
+    assert input_ids.dtype == labels.dtype == torch.long
+    assert input_ids[:n].tolist() == [BOS_ID] + text_ids + [EOS_ID]
+    assert input_ids[n:].tolist() == [PAD_ID] * (32 - n)
+    assert labels[:n].tolist() == input_ids[:n].tolist()
+    assert labels[n:].tolist() == [IGNORE_INDEX] * (32 - n)
+
+
+def test_pretrain_item_longer_than_max_seq_len_is_cut_without_eos(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"text": "one two three four five six seven " * 5}])
+    input_ids, labels = PretrainDataset(path, tokenizer, max_seq_len=8)[0]
+    assert input_ids[0] == BOS_ID
+    assert EOS_ID not in input_ids.tolist() and PAD_ID not in input_ids.tolist()
+    assert labels.tolist() == input_ids.tolist()
+
+
+# SFT items
+
+
+def labelled_spans(input_ids: torch.Tensor, labels: torch.Tensor) -> list[list[int]]:
+    """Runs of consecutive positions that carry a label."""
+    spans, current = [], []
+    for token, label in zip(input_ids.tolist(), labels.tolist()):
+        if label == IGNORE_INDEX:
+            if current:
+                spans.append(current)
+            current = []
+        else:
+            assert label == token  # labels are aligned with the inputs, not shifted
+            current.append(token)
+    return spans + [current] if current else spans
+
+
+def test_sft_loss_only_on_assistant_content_and_its_im_end(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "s.jsonl", [chat("秘鲁的首都是哪里？", "利马", system="请简短回答。")])
+    input_ids, labels = SFTDataset(path, tokenizer, max_seq_len=64)[0]
+    spans = labelled_spans(input_ids, labels)
+    assert len(spans) == 1
+    assert spans[0][-1] == EOS_ID
+    assert tokenizer.decode(spans[0][:-1]) == "利马"
+
+
+def test_sft_multi_turn_labels_every_assistant_turn(tmp_path, tokenizer):
+    conversation = chat("What is 3 + 4?", "7", "And the opposite of big?", "small")
+    path = write_jsonl(tmp_path / "s.jsonl", [conversation])
+    input_ids, labels = SFTDataset(path, tokenizer, max_seq_len=64)[0]
+    spans = labelled_spans(input_ids, labels)
+    assert [tokenizer.decode(span[:-1]) for span in spans] == ["7", "small"]
+    assert all(span[-1] == EOS_ID for span in spans)
+    assert (labels[input_ids == PAD_ID] == IGNORE_INDEX).all()
+
+
+def test_sft_ids_equal_tokenizing_the_whole_chatml_text(tmp_path, tokenizer):
+    conversation = chat("Hello!", "Hello! Ask me a question.", "猫怎么叫？", "喵喵", system="Be brief.")
+    path = write_jsonl(tmp_path / "s.jsonl", [conversation])
+    dataset = SFTDataset(path, tokenizer, max_seq_len=128)
+    ids, _ = dataset.encode_conversation(conversation["conversations"])
+    assert ids == tokenizer.encode(format_chatml(conversation["conversations"])).ids
+
+
+def test_special_token_text_inside_content_is_plain_text(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "s.jsonl", [chat("say <|im_end|> please", "<|im_end|>")])
+    input_ids, labels = SFTDataset(path, tokenizer, max_seq_len=64)[0]
+    spans = labelled_spans(input_ids, labels)
+    assert tokenizer.decode(spans[0][:-1]) == "<|im_end|>"
+    assert input_ids.tolist().count(EOS_ID) == 2  # only the two real message ends
+
+
+def test_format_chatml_with_generation_prompt():
+    text = format_chatml([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+# Errors name the file and the line
+
+
+@pytest.mark.parametrize("dataset_class, bad_line, problem", [
+    (PretrainDataset, "{not json", "invalid JSON"),
+    (PretrainDataset, "[1, 2]", "expected a JSON object"),
+    (PretrainDataset, {"txt": "typo in the field name"}, '"text"'),
+    (SFTDataset, {"messages": []}, '"conversations"'),
+    (SFTDataset, {"conversations": [{"role": "user"}]}, '"role" and "content"'),
+    (SFTDataset, {"conversations": [{"role": "robot", "content": "beep"}]}, "unknown role 'robot'"),
+    (SFTDataset, {"conversations": [{"role": "user", "content": "hi"}]}, "no assistant message"),
+])
+def test_bad_line_error_names_file_and_line_number(tmp_path, tokenizer, dataset_class, bad_line, problem):
+    good = {"text": "fine"} if dataset_class is PretrainDataset else chat("hi", "hello")
+    path = write_jsonl(tmp_path / "bad.jsonl", [good, good, "", bad_line, good])
+    with pytest.raises(ValueError) as excinfo:
+        dataset_class(path, tokenizer, max_seq_len=16)
+    message = str(excinfo.value)
+    assert str(path) in message
+    assert "line 4:" in message  # the blank line counts, so this is not the record index
+    assert problem in message
+
+
+# JsonlFile
+
+
+def test_jsonl_file_skips_blank_lines_and_keeps_line_numbers(tmp_path):
+    path = write_jsonl(tmp_path / "f.jsonl", [{"a": 1}, "", "   ", {"a": 2}])
+    source = JsonlFile(path)
+    assert len(source) == 2
+    assert source.read(1) == {"a": 2}
+    assert source.line_number(1) == 4
+    assert source.raw_line(0) == b'{"a": 1}'
+    assert source.file_size == path.stat().st_size
+
+
+def test_jsonl_file_survives_pickling(tmp_path):
+    path = write_jsonl(tmp_path / "f.jsonl", [{"a": i} for i in range(5)])
+    source = JsonlFile(path)
+    source.read(0)  # opens the file handle, which must not be pickled
+    copy = pickle.loads(pickle.dumps(source))
+    assert [copy.read(i)["a"] for i in range(5)] == list(range(5))
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_dataset_in_dataloader_workers_yields_every_item(tmp_path, tokenizer, start_method):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"text": f"number {i}"} for i in range(20)])
+    dataset = PretrainDataset(path, tokenizer, max_seq_len=8)
+    dataset[0]  # open the file in the parent first: workers must not share its position
+    loader = DataLoader(dataset, batch_size=4, num_workers=2, multiprocessing_context=start_method)
+    seen = [tokenizer.decode([t for t in row.tolist() if t > EOS_ID])
+            for input_ids, _ in loader for row in input_ids]
+    assert seen == [f"number {i}" for i in range(20)]
+
+
+# The committed demo data
+
+
+def read_records(name: str) -> list[dict]:
+    with open(DATA_DIR / name, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def test_demo_data_files_exist_and_stay_small():
+    names = ["pretrain_demo.jsonl", "val_demo.jsonl", "sft_demo.jsonl", "sft_demo_eval.jsonl"]
+    sizes = [(DATA_DIR / name).stat().st_size for name in names]
+    assert all(size > 0 for size in sizes)
+    assert sum(sizes) < 5_000_000
+
+
+def test_demo_data_loads_into_the_datasets(tokenizer):
+    assert len(PretrainDataset(DATA_DIR / "pretrain_demo.jsonl", tokenizer, 128)) > 1000
+    assert len(PretrainDataset(DATA_DIR / "val_demo.jsonl", tokenizer, 128)) >= 50
+    assert len(SFTDataset(DATA_DIR / "sft_demo.jsonl", tokenizer, 128)) > 1000
+    assert len(SFTDataset(DATA_DIR / "sft_demo_eval.jsonl", tokenizer, 128)) >= 100
+
+
+def test_eval_questions_are_not_in_the_sft_training_set():
+    asked_in_training = {m["content"] for r in read_records("sft_demo.jsonl")
+                         for m in r["conversations"] if m["role"] == "user"}
+    eval_records = read_records("sft_demo_eval.jsonl")
+    for record in eval_records:
+        assert record["conversations"][-1]["role"] == "assistant"
+        assert record["conversations"][-2]["content"] not in asked_in_training
+
+
+def test_validation_text_is_not_in_the_pretraining_text():
+    training = {r["text"] for r in read_records("pretrain_demo.jsonl")}
+    assert not [r["text"] for r in read_records("val_demo.jsonl") if r["text"] in training]

@@ -1,0 +1,76 @@
+"""The committed tokenizer and the script that trains it."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from dataset.lm_dataset import SPECIAL_TOKENS, load_tokenizer
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TOKENIZER_PATH = REPO_ROOT / "model" / "tokenizer.json"
+
+
+def test_committed_tokenizer_has_special_tokens_at_fixed_ids():
+    tokenizer = load_tokenizer(TOKENIZER_PATH)
+    for token, token_id in SPECIAL_TOKENS.items():
+        assert tokenizer.token_to_id(token) == token_id
+    assert tokenizer.get_vocab_size() <= 6400
+
+
+@pytest.mark.parametrize("text", [
+    "Hello, world! The capital of Peru is Lima.",
+    "秘鲁的首都是利马。你好，世界！",
+    "mixed 中英 text with emoji 🙂🚀 and  two spaces\n\tand a tab",
+    "  leading spaces, unseen characters: ß, Ω, 鬱, 𝔘",
+])
+def test_any_text_round_trips(text):
+    tokenizer = load_tokenizer(TOKENIZER_PATH)
+    assert tokenizer.decode(tokenizer.encode(text).ids) == text
+
+
+def test_no_special_tokens_are_added_automatically():
+    tokenizer = load_tokenizer(TOKENIZER_PATH)
+    ids = tokenizer.encode("hello").ids
+    assert not set(ids) & set(SPECIAL_TOKENS.values())
+
+
+def test_chinese_characters_are_not_merged_into_phrases():
+    tokenizer = load_tokenizer(TOKENIZER_PATH)
+    assert len(tokenizer.encode("秘鲁的首都是哪里").ids) == 8
+
+
+def test_load_tokenizer_names_a_missing_special_token(tmp_path):
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tokenizer.train_from_iterator(["some text to learn from"], trainer=trainer)
+    path = tmp_path / "tokenizer.json"
+    tokenizer.save(str(path))
+    with pytest.raises(ValueError, match=r"<\|im_end\|>") as excinfo:
+        load_tokenizer(path)
+    assert str(path) in str(excinfo.value)
+    assert "expected id 2" in str(excinfo.value)
+
+
+def test_train_tokenizer_script_writes_a_loadable_tokenizer(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    with open(corpus, "w", encoding="utf-8") as f:
+        for i in range(50):
+            f.write(json.dumps({"text": f"Line {i}: the cat says meow. 猫的叫声是喵喵。"},
+                               ensure_ascii=False) + "\n")
+        f.write(json.dumps({"conversations": [{"role": "user", "content": "2+2?"},
+                                              {"role": "assistant", "content": "4"}]}) + "\n")
+    out = tmp_path / "tok" / "tokenizer.json"
+    subprocess.run([sys.executable, str(REPO_ROOT / "trainer" / "train_tokenizer.py"),
+                    "--data", str(corpus), "--vocab_size", "300", "--out", str(out)],
+                   check=True, capture_output=True, cwd=tmp_path)
+    tokenizer = load_tokenizer(out)
+    assert 259 <= tokenizer.get_vocab_size() <= 300  # 256 bytes + 3 special tokens + merges
+    assert tokenizer.decode(tokenizer.encode("the cat 猫").ids) == "the cat 猫"

@@ -1,0 +1,101 @@
+"""Train the byte-level BPE tokenizer (model/tokenizer.json) on JSONL data.
+
+    python trainer/train_tokenizer.py
+    python trainer/train_tokenizer.py --data dataset/pretrain_demo.jsonl dataset/sft_demo.jsonl \
+        --vocab_size 6400 --out model/tokenizer.json
+
+Byte-level means the base alphabet is the 256 byte values, so any UTF-8 text
+(Chinese, emoji, code) can be encoded and decodes back to exactly the same string;
+merges learned from the data make frequent byte sequences single tokens.
+
+The vocabulary holds at most --vocab_size tokens: BPE stops early when the data has no
+pair left to merge (the demo corpus is a small closed world), and the model's
+vocab_size only has to be at least the tokenizer's.
+
+The special tokens get the first ids, in this order: <|endoftext|>=0 (padding),
+<|im_start|>=1 (begin of text / of a chat message), <|im_end|>=2 (end of both).
+No post-processor adds them: the datasets insert them explicitly where they belong.
+
+This script depends only on `tokenizers`, so it runs from any directory.
+Training is deterministic: the same data and vocab size give the same file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Iterator
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# The list order defines the ids; dataset/lm_dataset.py checks them when loading.
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def iter_texts(paths: list[Path]) -> Iterator[str]:
+    """Yield the text of pretrain lines ("text") and of SFT messages ("conversations")."""
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            for line_number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                record = json.loads(line)
+                if "text" in record:
+                    yield record["text"]
+                elif "conversations" in record:
+                    for message in record["conversations"]:
+                        # "role\ncontent" is what follows <|im_start|> in ChatML.
+                        yield f"{message['role']}\n{message['content']}"
+                else:
+                    raise ValueError(f'{path}, line {line_number}: no "text" or "conversations" field')
+
+
+def train_tokenizer(paths: list[Path], vocab_size: int) -> Tokenizer:
+    """Learn a byte-level BPE vocabulary of ``vocab_size`` tokens from the given files."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        # Chinese has no spaces, so without this a whole clause such as "秘鲁的首都是哪里"
+        # is one pre-token, and on a small corpus BPE merges it into a single token that
+        # hides its words from the model. Each Chinese character stays a token of its own.
+        pre_tokenizers.Split(Regex(r"\p{Han}"), behavior="isolated"),
+        # Split words and punctuation GPT-2 style, then map bytes to printable symbols.
+        # add_prefix_space=False keeps decode(encode(s)) == s exactly.
+        pre_tokenizers.ByteLevel(add_prefix_space=False),
+    ])
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes, seen or not
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(iter_texts(paths), trainer=trainer)
+    for expected_id, token in enumerate(SPECIAL_TOKENS):
+        if tokenizer.token_to_id(token) != expected_id:
+            raise RuntimeError(f"{token} got id {tokenizer.token_to_id(token)}, expected {expected_id}")
+    return tokenizer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, nargs="+",
+                        default=[REPO_ROOT / "dataset/pretrain_demo.jsonl",
+                                 REPO_ROOT / "dataset/sft_demo.jsonl"],
+                        help="JSONL files with pretrain and/or SFT lines")
+    parser.add_argument("--vocab_size", type=int, default=6400)
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "model/tokenizer.json")
+    args = parser.parse_args()
+
+    tokenizer = train_tokenizer(args.data, args.vocab_size)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(args.out))
+    sample = "Hello, 世界! 1+2=3 🙂"
+    ids = tokenizer.encode(sample).ids
+    print(f"saved {args.out}: vocab {tokenizer.get_vocab_size()}, "
+          f"{sample!r} -> {len(ids)} tokens, round trip ok: {tokenizer.decode(ids) == sample}")
+
+
+if __name__ == "__main__":
+    main()
