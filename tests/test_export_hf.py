@@ -1,0 +1,152 @@
+"""The Hugging Face export: plain `transformers` must load it and compute what our model computes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+# Everything here is local: never reach for the Hub. Set before transformers reads it at import.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+
+from model.model import CausalLM, LMConfig  # noqa: E402
+from scripts.export_hf import export_hf, import_hf  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_path(tmp_path_factory) -> Path:
+    """A tiny byte-level BPE with the project's special tokens at ids 0, 1, 2."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(["hello world, the model speaks", "a tiny corpus for a tiny tokenizer"] * 20, trainer)
+    path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
+    tokenizer.save(str(path))
+    return path
+
+
+def random_model(vocab_size: int, use_moe: bool = False) -> CausalLM:
+    """Small fp32 model with every weight random, norms included, so a misplaced tensor shows."""
+    config = LMConfig(
+        vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        use_moe=use_moe, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96,
+    )
+    torch.manual_seed(0)
+    model = CausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+    return model
+
+
+def load_hf(directory: Path):
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("use_moe", [False, True], ids=["dense", "moe"])
+def test_transformers_loads_export_with_same_logits_and_greedy_tokens(tmp_path, tokenizer_path, use_moe):
+    vocab_size = Tokenizer.from_file(str(tokenizer_path)).get_vocab_size()
+    model = random_model(vocab_size, use_moe)
+    export_hf(model.state_dict(), model.config, tmp_path, tokenizer_path, dtype=torch.float32)
+    hf_model = load_hf(tmp_path)
+    assert type(hf_model).__name__ == ("Qwen3MoeForCausalLM" if use_moe else "Qwen3ForCausalLM")
+
+    ids = torch.randint(3, vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        max_diff = (model(ids).logits - hf_model(ids).logits).abs().max().item()
+    print(f"max |logits(ours) - logits(transformers)| = {max_diff:.3e} ({'moe' if use_moe else 'dense'})")
+    assert max_diff < 1e-4
+
+    prompt = ids[:1, :6]
+    ours = model.generate(prompt, max_new_tokens=10, temperature=0, eos_token_id=2)
+    theirs = hf_model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False)
+    assert torch.equal(ours, theirs)
+
+
+def test_exported_tokenizer_renders_chatml(tmp_path, tokenizer_path):
+    vocab_size = Tokenizer.from_file(str(tokenizer_path)).get_vocab_size()
+    model = random_model(vocab_size)
+    export_hf(model.state_dict(), model.config, tmp_path, tokenizer_path, dtype=torch.float16)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello world"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert tokenizer.eos_token_id == 2 and tokenizer.pad_token_id == 0
+    assert tokenizer.convert_tokens_to_ids("<|im_start|>") == 1
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["tie_word_embeddings"] is True and config["torch_dtype"] == "float16"
+
+
+def test_cli_exports_resume_file_with_its_own_config(tmp_path, tokenizer_path):
+    vocab_size = Tokenizer.from_file(str(tokenizer_path)).get_vocab_size()
+    model = random_model(vocab_size)
+    resume_file = tmp_path / "tiny_64_resume.pth"
+    torch.save({"model": model.state_dict(), "lm_config": model.config.to_dict(), "step": 7}, resume_file)
+    out_dir = tmp_path / "hf"
+    command = [sys.executable, "-m", "scripts.export_hf", str(resume_file), "-o", str(out_dir)]
+    command += ["--tokenizer", str(tokenizer_path), "--dtype", "float32"]
+    subprocess.run(command, cwd=REPO_ROOT, check=True)
+
+    ids = torch.randint(3, vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(load_hf(out_dir)(ids).logits, model(ids).logits, atol=1e-4, rtol=0)
+
+
+def test_cli_exports_fp16_weight_file_with_size_flags_and_imports_it_back(tmp_path, tokenizer_path):
+    vocab_size = Tokenizer.from_file(str(tokenizer_path)).get_vocab_size()
+    model = random_model(vocab_size)
+    weight_file = tmp_path / "tiny_64.pth"
+    torch.save({name: t.half() for name, t in model.state_dict().items()}, weight_file)
+    out_dir, reimported = tmp_path / "hf", tmp_path / "reimported.pth"
+    sizes = ["--hidden_size", "64", "--num_hidden_layers", "2", "--num_attention_heads", "4"]
+    sizes += ["--num_key_value_heads", "2", "--vocab_size", str(vocab_size), "--use_moe", "0"]
+    run = [sys.executable, "-m", "scripts.export_hf"]
+    subprocess.run(run + [str(weight_file), "-o", str(out_dir), "--tokenizer", str(tokenizer_path)] + sizes,
+                   cwd=REPO_ROOT, check=True)
+    subprocess.run(run + [str(out_dir), "--reverse", "-o", str(reimported)], cwd=REPO_ROOT, check=True)
+
+    original = torch.load(weight_file, map_location="cpu", weights_only=True)
+    back = torch.load(reimported, map_location="cpu", weights_only=True)
+    assert back.keys() == original.keys()
+    assert all(torch.equal(back[name], original[name]) for name in original)
+
+
+def test_import_recovers_state_dict_and_config(tmp_path, tokenizer_path):
+    vocab_size = Tokenizer.from_file(str(tokenizer_path)).get_vocab_size()
+    model = random_model(vocab_size, use_moe=True)
+    export_hf(model.state_dict(), model.config, tmp_path, tokenizer_path, dtype=torch.float32)
+    state_dict, config = import_hf(tmp_path)
+    assert config == model.config
+    CausalLM(config).load_state_dict(state_dict, strict=True)
+    assert all(torch.equal(state_dict[name], t) for name, t in model.state_dict().items())
+
+
+def test_missing_weight_is_named_in_the_error(tmp_path, tokenizer_path):
+    vocab_size = Tokenizer.from_file(str(tokenizer_path)).get_vocab_size()
+    model = random_model(vocab_size)
+    state_dict = model.state_dict()
+    del state_dict["model.layers.1.self_attn.k_norm.weight"]
+    with pytest.raises(ValueError, match=r"missing keys: model\.layers\.1\.self_attn\.k_norm\.weight"):
+        export_hf(state_dict, model.config, tmp_path, tokenizer_path)
+
+
+def test_wrong_size_flags_are_reported_as_shape_mismatch(tmp_path, tokenizer_path):
+    vocab_size = Tokenizer.from_file(str(tokenizer_path)).get_vocab_size()
+    model = random_model(vocab_size)
+    wrong = LMConfig(**{**model.config.to_dict(), "intermediate_size": 128})
+    with pytest.raises(ValueError, match="shape mismatches: model.layers.0.mlp.gate_proj.weight"):
+        export_hf(model.state_dict(), wrong, tmp_path, tokenizer_path)
