@@ -1,0 +1,246 @@
+"""Checkpoint files that survive `kill -9` at any instant.
+
+Layout for a run named R (e.g. `pretrain_512`) in the checkpoint directory:
+
+    checkpoints/
+      R_resume.pth              the newest verified state (a hard link to the newest history file)
+      R_latest.txt              the name of that history file, written atomically
+      R_history/
+        step_00000200.pth       older verified states, `--keep_last` of them
+        step_00000200.json      manifest: size, sha256, epoch, step, samples consumed
+        step_00000300.pth
+        step_00000300.json
+
+A save never touches an existing good file: it writes a new history file through a temp name
+(flush + fsync + `os.replace` + fsync of the directory), writes its manifest the same way,
+re-reads the file to check the SHA-256, and only then moves the `_resume.pth` link and the latest
+pointer and deletes the oldest history entries. A crash at any point leaves the previous newest
+checkpoint intact and verifiable; resume walks the history newest first and takes the first
+file that matches its manifest and loads with `weights_only=True`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+# Test-only: seconds to pause inside a save, so a test can SIGKILL a job in the middle of writing.
+SAVE_DELAY_ENV = "TRAINER_TEST_SAVE_DELAY_S"
+HISTORY_NAME = re.compile(r"^step_(\d{8})\.pth$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written, or none could be trusted for loading."""
+
+
+@dataclass
+class RunFiles:
+    """Where the files of one run live (`name` is `{weight}_{hidden}[_moe]`)."""
+
+    checkpoint_dir: Path
+    name: str
+
+    @property
+    def resume_link(self) -> Path:
+        return self.checkpoint_dir / f"{self.name}_resume.pth"
+
+    @property
+    def latest_pointer(self) -> Path:
+        return self.checkpoint_dir / f"{self.name}_latest.txt"
+
+    @property
+    def history_dir(self) -> Path:
+        return self.checkpoint_dir / f"{self.name}_history"
+
+    def history_file(self, step: int) -> Path:
+        return self.history_dir / f"step_{step:08d}.pth"
+
+    def history(self) -> list[Path]:
+        """Kept checkpoint files, newest (highest step) first."""
+        if not self.history_dir.is_dir():
+            return []
+        files = [p for p in self.history_dir.iterdir() if HISTORY_NAME.match(p.name)]
+        return sorted(files, key=lambda p: p.name, reverse=True)
+
+
+def manifest_path(checkpoint: Path) -> Path:
+    return checkpoint.with_suffix(".json")
+
+
+def _pause_for_tests(fraction: float) -> None:
+    delay = float(os.environ.get(SAVE_DELAY_ENV, "0") or 0)
+    if delay > 0:
+        time.sleep(delay * fraction)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename inside `directory` durable (the rename lives in the directory's own data)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _HashingWriter:
+    """A write-only file object that hashes what passes through, so no second read is needed."""
+
+    def __init__(self, file):
+        self.file, self.sha256, self.size = file, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        if self.size == 0:
+            _pause_for_tests(0.25)  # a kill here leaves a truncated temp file
+        self.sha256.update(data)
+        self.size += len(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def atomic_write(path: Path, write: Callable[[Any], None]) -> tuple[int, str]:
+    """Write `path` through a temp file, fsync, rename, fsync the directory; returns (size, sha256)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as raw:
+            writer = _HashingWriter(raw)
+            write(writer)
+            raw.flush()
+            os.fsync(raw.fileno())  # the bytes must be on disk before the name points at them
+        _pause_for_tests(0.25)
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return writer.size, writer.sha256.hexdigest()
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def save_verified(files: RunFiles, state: dict, step: int, keep_last: int, info: dict) -> Path:
+    """Write `state` as the newest checkpoint of the run, verify it, then rotate old ones away.
+
+    `info` (epoch, samples consumed, ...) goes into the manifest so tools can list checkpoints
+    without loading them. Raises CheckpointError (older checkpoints untouched) if anything fails.
+    """
+    files.history_dir.mkdir(parents=True, exist_ok=True)
+    for leftover in files.history_dir.glob("*.tmp"):  # from a save that was killed
+        leftover.unlink()
+    path = files.history_file(step)
+    try:
+        size, sha = atomic_write(path, lambda f: torch.save(state, f))
+        manifest = {"file": path.name, "size": size, "sha256": sha, "step": step, **info}
+        _pause_for_tests(0.25)
+        atomic_write_text(manifest_path(path), json.dumps(manifest, indent=1) + "\n")
+        problem = verify(path)
+        if problem:
+            raise CheckpointError(f"checkpoint {path} failed verification right after writing: {problem}")
+        _pause_for_tests(0.25)
+        link_tmp = files.resume_link.with_name(files.resume_link.name + ".tmp")
+        link_tmp.unlink(missing_ok=True)
+        os.link(path, link_tmp)  # no second copy on disk: both names share the same bytes
+        os.replace(link_tmp, files.resume_link)
+        atomic_write_text(files.latest_pointer, f"{files.history_dir.name}/{path.name}\n")
+    except OSError as error:
+        raise CheckpointError(
+            f"could not write checkpoint {path}: {error}. Older checkpoints in {files.history_dir} "
+            f"are untouched; free space or fix permissions, then resume with --from_resume 1") from error
+    rotate(files, keep_last)
+    return path
+
+
+def rotate(files: RunFiles, keep_last: int) -> list[Path]:
+    """Delete all but the newest `keep_last` checkpoints; called only after the newest was verified.
+
+    Older files are not re-hashed here (that would cost a full read of each per save); a file
+    without a manifest older than a kept one is debris of a killed save and goes too.
+    """
+    with_manifest = [p for p in files.history() if manifest_path(p).is_file()]
+    keep = set(with_manifest[:max(keep_last, 1)])
+    oldest_kept = min(p.name for p in keep) if keep else None
+    removed = []
+    for path in files.history():
+        if path in keep or (oldest_kept and path.name > oldest_kept):
+            continue
+        manifest_path(path).unlink(missing_ok=True)
+        path.unlink()
+        removed.append(path)
+    return removed
+
+
+def verify(path: Path) -> str | None:
+    """None if `path` matches its manifest (size and SHA-256), else what is wrong."""
+    manifest_file = manifest_path(path)
+    if not path.is_file():
+        return "file is missing"
+    if not manifest_file.is_file():
+        return f"no manifest {manifest_file.name} (the save was interrupted)"
+    try:
+        manifest = json.loads(manifest_file.read_text())
+        expected_size, expected_sha = int(manifest["size"]), str(manifest["sha256"])
+    except (ValueError, KeyError, TypeError) as error:
+        return f"manifest {manifest_file.name} is unreadable ({error})"
+    actual_size = path.stat().st_size
+    if actual_size != expected_size:
+        return f"size is {actual_size} bytes, manifest says {expected_size} (truncated?)"
+    if sha256_of(path) != expected_sha:
+        return "SHA-256 does not match the manifest (corrupted bytes)"
+    return None
+
+
+def load_trusted(path: Path) -> dict:
+    """torch.load with weights_only=True: tensors and plain types only, never code from a pickle."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # UnpicklingError, zip errors, EOF: all mean "do not trust this file"
+        raise CheckpointError(f"{path} cannot be loaded safely: {type(error).__name__}: "
+                              f"{str(error).splitlines()[0] if str(error) else ''}") from error
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} holds a {type(state).__name__}, not a checkpoint dict")
+    return state
+
+
+def newest_good_checkpoint(files: RunFiles, log: Callable[[str], None]) -> tuple[Path, dict] | None:
+    """The newest history file that verifies and loads, with its state; None if there is no history.
+
+    Each skipped file gets one line saying why. If there are files but none is good, raises with
+    the list of what was tried, so a damaged run never silently restarts from scratch.
+    """
+    candidates = files.history()
+    if not candidates:
+        return None
+    tried = []
+    for path in candidates:
+        problem = verify(path)
+        if problem is None:
+            try:
+                state = load_trusted(path)
+            except CheckpointError as error:
+                problem = str(error)
+        if problem is None:
+            if tried:
+                log(f"using older checkpoint {path} instead")
+            return path, state
+        tried.append(f"{path}: {problem}")
+        log(f"skipping checkpoint {path}: {problem}")
+    raise CheckpointError("no usable checkpoint; tried:\n  " + "\n  ".join(tried))
