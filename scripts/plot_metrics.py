@@ -1,0 +1,101 @@
+"""Draw a run's curves from its metrics file into a PNG: loss, learning rate, gradient norm.
+
+Three panels share the step axis. Validation loss (if any) is drawn over the training loss;
+dashed vertical lines mark where the run was resumed, dotted red ones where an anomaly was seen.
+Uses matplotlib's Agg renderer, so it works on a machine without a display (over ssh, in CI).
+
+    python -m scripts.plot_metrics out/metrics/pretrain_512_metrics.jsonl -o curves.png
+    python -m scripts.plot_metrics out/metrics/pretrain_512_metrics.jsonl   # -> ..._metrics.png beside it
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from trainer.monitor import is_train_record, read_metrics
+
+METRICS_SUFFIX = "_metrics.jsonl"
+
+
+def run_name_from_path(path: Path) -> str:
+    """`out/metrics/pretrain_512_metrics.jsonl` -> `pretrain_512`."""
+    name = path.name
+    return name[:-len(METRICS_SUFFIX)] if name.endswith(METRICS_SUFFIX) else path.stem
+
+
+def plot_metrics(records: list[dict], out_path: str | Path, run_name: str = "") -> Path:
+    """Write the three-panel figure of `records` (as read from a metrics file) to `out_path`."""
+    train = sorted((r for r in records if is_train_record(r)), key=lambda r: r["step"])
+    if not train:
+        raise ValueError("no training records (lines with 'step' and 'loss') to plot; "
+                         "has the run logged its first log_interval yet?")
+    val = sorted((r for r in records if "val/loss" in r), key=lambda r: r["step"])
+    resumes = [r["step"] for r in records if r.get("event") == "resume"]
+    anomalies = [r["step"] for r in records if r.get("event") == "anomaly"]
+    steps = [r["step"] for r in train]
+
+    # A Figure with its own Agg canvas, not pyplot: no global state, no display needed.
+    figure = Figure(figsize=(9, 8), layout="constrained")
+    FigureCanvasAgg(figure)
+    loss_ax, lr_ax, grad_ax = figure.subplots(3, 1, sharex=True)
+
+    loss_ax.plot(steps, [r["loss"] for r in train], label="train loss")
+    if val:
+        loss_ax.plot([r["step"] for r in val], [r["val/loss"] for r in val], "o-", label="val/loss")
+    loss_ax.set_ylabel("loss")
+
+    lr_ax.plot(steps, [r.get("lr", float("nan")) for r in train], color="tab:green")
+    lr_ax.set_ylabel("learning rate")
+    lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+
+    grad_norms = [r.get("grad_norm", float("nan")) for r in train]
+    grad_ax.plot(steps, grad_norms, color="tab:purple")
+    grad_ax.set_ylabel("grad norm")
+    finite = [g for g in grad_norms if g == g and g != float("inf")]
+    # A log scale keeps one explosion from flattening the rest; on a narrow range it only hurts.
+    if finite and min(finite) > 0 and max(finite) / min(finite) > 20:
+        grad_ax.set_yscale("log")
+    grad_ax.set_xlabel("step (optimizer steps)")
+
+    for ax in (loss_ax, lr_ax, grad_ax):
+        for i, step in enumerate(resumes):
+            ax.axvline(step, color="gray", linestyle="--", linewidth=1,
+                       label="resume" if ax is loss_ax and i == 0 else None)
+        for i, step in enumerate(anomalies):
+            ax.axvline(step, color="red", linestyle=":", linewidth=1,
+                       label="anomaly" if ax is loss_ax and i == 0 else None)
+        ax.grid(alpha=0.3)
+    loss_ax.legend(loc="upper right")
+
+    title = run_name or "training run"
+    figure.suptitle(f"{title}: {len(train)} log points up to step {steps[-1]}"
+                    + (f", {len(resumes)} resume(s)" if resumes else ""))
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out_path, dpi=110)
+    return out_path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Plot loss, lr and grad norm from a metrics JSONL file.")
+    parser.add_argument("metrics_jsonl", type=Path)
+    parser.add_argument("-o", "--out", type=Path, default=None, help="PNG to write (default: beside the input)")
+    args = parser.parse_args(argv)
+    if not args.metrics_jsonl.is_file():
+        sys.exit(f"error: {args.metrics_jsonl} does not exist")
+    out = args.out or args.metrics_jsonl.with_suffix(".png")
+    try:
+        written = plot_metrics(read_metrics(args.metrics_jsonl), out, run_name_from_path(args.metrics_jsonl))
+    except ValueError as error:
+        sys.exit(f"error: {args.metrics_jsonl}: {error}")
+    print(f"wrote {written}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

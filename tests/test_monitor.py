@@ -1,0 +1,200 @@
+"""The anomaly detector on constructed curves, and the metrics/status files of MetricsFileWriter."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from trainer.monitor import AnomalyDetector, MetricsFileWriter, read_metrics, read_status
+
+
+# ---- AnomalyDetector ----
+
+def feed(detector: AnomalyDetector, losses: list[float], grad_norm: float = 1.0, first_step: int = 1) -> list:
+    return [detector.check(first_step + i, loss, grad_norm) for i, loss in enumerate(losses)]
+
+
+def test_spike_is_flagged_and_the_next_normal_step_is_not():
+    detector = AnomalyDetector()
+    assert feed(detector, [2.0, 2.02, 1.98, 2.01, 1.99, 2.0, 2.01, 1.99]) == [None] * 8
+    reason = detector.check(9, 5.0, 1.0)
+    assert reason is not None and "spike" in reason and "step 9" in reason and "5.0000" in reason
+    assert detector.check(10, 2.0, 1.0) is None  # the spike did not enter the statistics
+
+
+def test_noisy_decreasing_curve_gives_no_false_positives():
+    rng = random.Random(0)
+    detector = AnomalyDetector()
+    for step in range(1, 201):
+        loss = 1.5 + 4.0 * math.exp(-step / 40) + rng.gauss(0, 0.03)
+        grad_norm = 1.0 * math.exp(rng.gauss(0, 0.3))
+        assert detector.check(step, loss, grad_norm) is None, f"false positive at step {step}"
+
+
+@pytest.mark.parametrize("loss, grad_norm, words", [
+    (float("nan"), 1.0, "non-finite loss nan at step 12"),
+    (float("inf"), 1.0, "non-finite loss inf at step 12"),
+    (2.0, float("nan"), "non-finite grad norm nan at step 12"),
+    (2.0, float("inf"), "non-finite grad norm inf at step 12"),
+])
+def test_non_finite_values_are_flagged_even_without_history(loss, grad_norm, words):
+    assert AnomalyDetector().check(12, loss, grad_norm) == words
+
+
+def test_grad_norm_explosion_is_flagged():
+    detector = AnomalyDetector()
+    for step, norm in enumerate([0.9, 1.1, 1.0, 0.95, 1.05, 1.0], start=1):
+        assert detector.check(step, 2.0, norm) is None
+    assert detector.check(7, 2.0, 9.0) is None  # 9x the median: large, but under the 10x limit
+    reason = detector.check(8, 2.0, 50.0)
+    assert reason is not None and "explosion" in reason and "step 8" in reason
+    assert detector.check(9, 2.0, 1.0) is None
+
+
+def test_plateau_is_flagged_after_exactly_patience_flat_steps():
+    detector = AnomalyDetector(patience=4)
+    assert detector.check(1, 2.0, 1.0) is None  # sets the best
+    # 0.05% better is below the 0.1% bar, so these count as not improving
+    results = feed(detector, [2.0, 1.999, 2.0005, 2.0], first_step=2)
+    assert results[:3] == [None, None, None]
+    assert results[3] is not None and "plateau" in results[3] and "step 5" in results[3]
+    # the counter restarts: the next report comes another `patience` checks later
+    assert feed(detector, [2.0, 2.0, 2.0], first_step=6) == [None] * 3
+    assert detector.check(9, 2.0, 1.0) is not None
+
+
+def test_no_plateau_while_the_loss_keeps_improving():
+    detector = AnomalyDetector(patience=3)
+    assert feed(detector, [3.0 * 0.99 ** i for i in range(50)]) == [None] * 50
+
+
+def test_no_plateau_check_when_patience_is_zero():
+    assert feed(AnomalyDetector(), [2.0] * 100) == [None] * 100
+
+
+def test_state_dict_round_trip_keeps_the_statistics():
+    detector = AnomalyDetector(patience=5)
+    feed(detector, [2.0, 2.02, 1.98, 2.01, 1.99, 2.0])
+    state = json.loads(json.dumps(detector.state_dict()))  # plain types only
+    restored = AnomalyDetector(patience=5)
+    restored.load_state_dict(state)
+    assert restored.state_dict() == detector.state_dict()
+    assert "spike" in restored.check(7, 5.0, 1.0)
+
+
+# ---- MetricsFileWriter ----
+
+def fake_run(global_step: int, total: int = 20) -> SimpleNamespace:
+    """The two things the writer reads from the loop's RunContext."""
+    run = SimpleNamespace(global_step=global_step)
+    run.steps_remaining = lambda: total - run.global_step
+    return run
+
+
+def metrics_at(step: int, loss: float | None = None) -> dict:
+    return {"step": step, "epoch": 0, "samples_consumed": 8 * step, "loss": 3.0 - 0.1 * step if loss is None else loss,
+            "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 1000.0, "eta_s": 10.0}
+
+
+def log_steps(writer: MetricsFileWriter, run: SimpleNamespace, steps: range) -> None:
+    for step in steps:
+        run.global_step = step
+        writer.on_log(run, metrics_at(step))
+
+
+def test_fresh_run_writes_one_line_per_log_and_a_valid_status(tmp_path):
+    writer, run = MetricsFileWriter(str(tmp_path / "metrics"), "pretrain_32"), fake_run(0)
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "pretrain_32_metrics.jsonl").write_text('{"step": 99, "loss": 1}\n')  # an older run
+    writer.on_train_begin(run)
+    status = read_status(tmp_path / "metrics" / "pretrain_32_status.json")
+    assert status["state"] == "running" and status["step"] == 0 and status["total_steps"] == 20
+    log_steps(writer, run, range(1, 6))
+    writer.on_validation_end(run, {"step": 5, "val/loss": 2.7})
+
+    records = read_metrics(tmp_path / "metrics" / "pretrain_32_metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 5]
+    assert all("time" in r for r in records) and records[-1]["val/loss"] == 2.7
+    assert records[0]["loss"] == pytest.approx(2.9) and records[0]["samples_consumed"] == 8
+    status = read_status(tmp_path / "metrics" / "pretrain_32_status.json")
+    assert status["step"] == 5 and status["total_steps"] == 20 and status["epoch"] == 0
+    assert status["latest"]["loss"] == pytest.approx(2.5)
+    assert status["best_loss"] == pytest.approx(2.5) and status["best_step"] == 5
+    assert status["latest_val"]["val/loss"] == 2.7 and status["anomaly"] is None
+    assert status["updated"] >= status["started"]
+
+
+def test_resume_cuts_the_file_back_so_every_step_appears_once(tmp_path):
+    first = MetricsFileWriter(str(tmp_path), "run")
+    run = fake_run(0)
+    first.on_train_begin(run)
+    log_steps(first, run, range(1, 11))
+    first.on_train_end(run, "stopped")  # killed at 10, last checkpoint at step 6
+
+    second = MetricsFileWriter(str(tmp_path), "run")
+    second.on_train_begin(fake_run(6))
+    run = fake_run(6)
+    log_steps(second, run, range(7, 13))
+
+    records = read_metrics(tmp_path / "run_metrics.jsonl")
+    train_steps = [r["step"] for r in records if "event" not in r]
+    assert train_steps == list(range(1, 13))
+    resumes = [r for r in records if r.get("event") == "resume"]
+    assert len(resumes) == 1 and resumes[0]["step"] == 6
+    assert [r["step"] for r in records].index(6) + 1 == records.index(resumes[0])  # right after step 6
+    status = read_status(tmp_path / "run_status.json")
+    assert status["resumed_from"] == 6 and status["step"] == 12
+    assert status["best_step"] == 12  # best recomputed from the kept steps, then updated
+
+
+def test_status_goes_running_then_completed_and_records_anomalies(tmp_path):
+    writer, run = MetricsFileWriter(str(tmp_path), "run"), fake_run(0, total=3)
+    writer.on_train_begin(run)
+    assert read_status(tmp_path / "run_status.json")["state"] == "running"
+    log_steps(writer, run, range(1, 3))
+    reason = "loss spike at step 2: 9.0 > 3.1"
+    writer.on_anomaly(run, reason)
+    status = read_status(tmp_path / "run_status.json")
+    assert status["state"] == "running" and status["anomaly"] == {"step": 2, "reason": reason}
+    log_steps(writer, run, range(3, 4))
+    writer.on_train_end(run, "completed")
+    status = read_status(tmp_path / "run_status.json")
+    assert status["state"] == "completed" and status["step"] == 3 and status["total_steps"] == 3
+    assert any(r.get("event") == "anomaly" for r in read_metrics(tmp_path / "run_metrics.jsonl"))
+
+
+def test_unknown_end_status_is_refused(tmp_path):
+    writer, run = MetricsFileWriter(str(tmp_path), "run"), fake_run(0)
+    writer.on_train_begin(run)
+    with pytest.raises(ValueError, match="unknown run status"):
+        writer.on_train_end(run, "finished")
+
+
+def test_status_file_is_always_valid_json_while_being_rewritten(tmp_path):
+    """A reader polling the status file while the writer rewrites it never sees a partial file."""
+    writer, run = MetricsFileWriter(str(tmp_path), "run"), fake_run(0, total=10_000)
+    writer.on_train_begin(run)
+    path, stop, reads, problems = tmp_path / "run_status.json", threading.Event(), [0], []
+
+    def poll() -> None:
+        while not stop.is_set():
+            try:
+                json.loads(path.read_text())
+                reads[0] += 1
+            except (ValueError, OSError) as error:
+                problems.append(repr(error))
+
+    reader = threading.Thread(target=poll)
+    reader.start()
+    try:
+        log_steps(writer, run, range(1, 101))
+    finally:
+        stop.set()
+        reader.join()
+    assert problems == [] and reads[0] > 0
+    assert not list(tmp_path.glob("*.tmp"))

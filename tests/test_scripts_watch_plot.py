@@ -1,0 +1,117 @@
+"""scripts/watch_run.py and scripts/plot_metrics.py on metrics files written by MetricsFileWriter."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from scripts.plot_metrics import plot_metrics
+from scripts.watch_run import render_summary
+from trainer.monitor import MetricsFileWriter, read_metrics
+
+REPO = Path(__file__).resolve().parent.parent
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def write_run(metrics_dir: Path, name: str, resume_at: int | None = None, last_step: int = 12) -> None:
+    """A run through the real writer: logs every step, validates every 4, optionally resumes once."""
+    run = SimpleNamespace(global_step=0)
+    run.steps_remaining = lambda: 40 - run.global_step
+    writer = MetricsFileWriter(str(metrics_dir), name)
+    writer.on_train_begin(run)
+    for step in range(1, last_step + 1):
+        if step == resume_at:  # the first invocation died; a new one starts from the checkpoint before it
+            writer.on_train_end(run, "failed")
+            writer, run.global_step = MetricsFileWriter(str(metrics_dir), name), step - 1
+            writer.on_train_begin(run)
+        run.global_step = step
+        writer.on_log(run, {"step": step, "epoch": 0, "samples_consumed": 4 * step, "loss": 4.0 / step ** 0.5,
+                            "lr": 1e-3 * min(step / 4, 1.0), "grad_norm": 1.0 + 0.1 * step,
+                            "tokens_per_s": 2500.0, "eta_s": 75.0})
+        if step % 4 == 0:
+            writer.on_validation_end(run, {"step": step, "val/loss": 4.2 / step ** 0.5})
+
+
+def run_script(module: str, *args: str) -> subprocess.CompletedProcess:
+    # From the repository root, as the README shows; the editable install makes imports work anywhere.
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_render_summary_shows_the_key_numbers():
+    status = {"run_name": "pretrain_512", "state": "running", "step": 250, "total_steps": 1000, "epoch": 1,
+              "latest": {"step": 250, "epoch": 1, "loss": 2.3456, "lr": 3e-4, "grad_norm": 0.812,
+                         "tokens_per_s": 12345.0, "eta_s": 3725.0, "mfu": 0.41},
+              "best_loss": 2.2101, "best_step": 240, "anomaly": {"step": 230, "reason": "loss spike at step 230"},
+              "updated": 1000.0, "started": 0.0}
+    records = [{"step": 100, "event": "resume", "time": 1.0}, {"step": 200, "val/loss": 2.5432, "time": 2.0}]
+    text = render_summary(status, records, now=1012.0)
+    for expected in ("pretrain_512", "running", "250/1000", "25.0%", "epoch 2", "ETA 1h02m05s", "2.3456",
+                     "3.00e-04", "0.812", "12345", "mfu 0.41", "best loss 2.2101 at step 240",
+                     "val/loss 2.5432 at step 200", "resumes: 1 (at steps 100)", "loss spike at step 230",
+                     "0h00m12s ago"):
+        assert expected in text, f"{expected!r} missing from:\n{text}"
+    assert "WARNING" not in text
+
+
+def test_render_summary_warns_when_a_running_job_goes_quiet():
+    status = {"run_name": "r", "state": "running", "step": 3, "total_steps": 10, "updated": 0.0}
+    assert "WARNING: no update for 0h10m00s" in render_summary(status, [], now=600.0)
+    finished = dict(status, state="completed")
+    assert "WARNING" not in render_summary(finished, [], now=600.0)
+
+
+def test_watch_once_prints_the_run(tmp_path):
+    write_run(tmp_path, "pretrain_32", resume_at=7)
+    result = run_script("scripts.watch_run", str(tmp_path), "--once")
+    assert result.returncode == 0, result.stderr
+    assert "pretrain_32" in result.stdout and "12/40" in result.stdout and "resumes: 1 (at steps 6)" in result.stdout
+    assert "\033[2J" not in result.stdout  # --once output is plain, fit for ssh and logs
+
+
+def test_watch_without_run_name_lists_the_runs_and_exits_2(tmp_path):
+    write_run(tmp_path, "pretrain_32")
+    write_run(tmp_path, "full_sft_32")
+    result = run_script("scripts.watch_run", str(tmp_path), "--once")
+    assert result.returncode == 2
+    assert "full_sft_32" in result.stderr and "pretrain_32" in result.stderr and "--run_name" in result.stderr
+    chosen = run_script("scripts.watch_run", str(tmp_path), "--once", "--run_name", "full_sft_32")
+    assert chosen.returncode == 0 and "full_sft_32" in chosen.stdout
+
+
+def test_watch_on_a_directory_without_runs_says_so(tmp_path):
+    result = run_script("scripts.watch_run", str(tmp_path), "--once")
+    assert result.returncode != 0 and "no *_status.json" in result.stderr
+
+
+def test_watch_stops_by_itself_when_the_run_has_ended(tmp_path):
+    write_run(tmp_path, "done")
+    (tmp_path / "done_status.json").write_text(json.dumps({"run_name": "done", "state": "completed", "step": 12,
+                                                            "total_steps": 12, "updated": 0.0}))
+    result = run_script("scripts.watch_run", str(tmp_path), "--interval", "0.1")  # no --once
+    assert result.returncode == 0 and "done: completed" in result.stdout
+
+
+def test_plot_script_writes_a_png_with_resumes_and_validation(tmp_path):
+    write_run(tmp_path, "pretrain_32", resume_at=7)
+    records = read_metrics(tmp_path / "pretrain_32_metrics.jsonl")
+    assert any(r.get("event") == "resume" for r in records) and any("val/loss" in r for r in records)
+    out = tmp_path / "plots" / "curves.png"
+    result = run_script("scripts.plot_metrics", str(tmp_path / "pretrain_32_metrics.jsonl"), "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    assert out.stat().st_size > 1000 and out.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_plot_refuses_a_file_without_training_records(tmp_path):
+    with pytest.raises(ValueError, match="no training records"):
+        plot_metrics([{"event": "resume", "step": 5}], tmp_path / "x.png")
+    empty = tmp_path / "empty_metrics.jsonl"
+    empty.write_text("")
+    result = run_script("scripts.plot_metrics", str(empty), "-o", str(tmp_path / "x.png"))
+    assert result.returncode == 1 and "no training records" in result.stderr
+    assert not (tmp_path / "x.png").exists()
