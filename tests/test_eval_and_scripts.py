@@ -1,0 +1,226 @@
+"""eval_model.py and the scripts/ tools, on small real artifacts of the real trainer.
+
+Two identical 3-step pretraining runs (CPU, tiny model) are made once for the whole module; the
+tests then read their FP16 weights, resume checkpoints and debug traces.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import eval_model
+from conftest import REPO, TINY_MODEL, child_env, read_trace, slice_jsonl, train
+from dataset.lm_dataset import load_tokenizer
+from scripts import bench, compare_runs, inspect_checkpoint
+from trainer.checkpoint_io import CheckpointError
+
+# The size flags of TINY_MODEL, for the tools that rebuild a model from an out/ file.
+SIZE_FLAGS = TINY_MODEL[:TINY_MODEL.index("--max_seq_len")]
+NUM_SAMPLES, STEPS, BATCH = 40, 3, 4
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """Two identical runs, A and B: 3 optimizer steps of 4 samples on 40 demo lines."""
+    root = tmp_path_factory.mktemp("runs")
+    data = slice_jsonl(REPO / "dataset" / "pretrain_demo.jsonl", root / "pretrain.jsonl", NUM_SAMPLES)
+    made = {"root": root, "data": data}
+    for name in ("a", "b"):
+        run_dir = root / name
+        train("train_pretrain.py", None,
+              ["--batch_size", str(BATCH), "--max_steps", str(STEPS), "--save_interval", "2",
+               "--data_path", str(data), "--save_dir", str(run_dir / "out"),
+               "--checkpoint_dir", str(run_dir / "ckpt"), "--save_debug_train_output", str(run_dir / "trace.jsonl")],
+              cwd=root)
+        made[name] = run_dir
+    return made
+
+
+def resume_file(run_dir: Path) -> Path:
+    return run_dir / "ckpt" / "pretrain_32_resume.pth"
+
+
+def eval_args(run_dir: Path, weight: str, *extra: str) -> list[str]:
+    return ["--weight", weight, *SIZE_FLAGS, "--save_dir", str(run_dir / "out"), "--device", "cpu", *extra]
+
+
+# ---- eval_model.py ----------------------------------------------------------------------------
+
+def test_answers_match_ignores_surrounding_whitespace_only():
+    assert eval_model.answers_match(" 87\n", "87")
+    assert eval_model.answers_match("", "  ")
+    assert not eval_model.answers_match("8 7", "87")
+    assert not eval_model.answers_match("87.", "87")
+
+
+def test_eval_prompt_continues_text_from_the_command_line(runs):
+    result = subprocess.run([sys.executable, str(REPO / "eval_model.py"),
+                             *eval_args(runs["a"], "pretrain", "--prompt", "Once upon", "--max_new_tokens", "8")],
+                            cwd=runs["root"], env=child_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("Once upon")  # a pretrained model continues the raw text
+
+
+def test_evaluate_exact_match_counts_the_models_own_greedy_answers_as_correct(runs):
+    shutil.copy(runs["a"] / "out" / "pretrain_32.pth", runs["a"] / "out" / "chat_32.pth")
+    args = eval_model.build_arg_parser().parse_args(eval_args(runs["a"], "chat"))
+    tokenizer = load_tokenizer(args.tokenizer_path)
+    model = eval_model.load_model(args, tokenizer, torch.device("cpu"))
+    questions = [[{"role": "user", "content": "What is 2 plus 3?"}],
+                 [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Next after 8?"}]]
+    # Greedy decoding is deterministic, so the model's own answers are references it must match.
+    own = [eval_model.generate_text(model, tokenizer, eval_model.chat_prompt_ids(tokenizer, q), 8)
+           for q in questions]
+    records = [{"conversations": q + [{"role": "assistant", "content": f"  {a}\n"}]} for q, a in zip(questions, own)]
+    records.append({"conversations": questions[0] + [{"role": "assistant", "content": "surely not this"}]})
+    mistakes: list[str] = []
+    assert eval_model.evaluate_exact_match(model, tokenizer, records, 8, log=mistakes.append) == (2, 3)
+    assert len(mistakes) == 1 and "surely not this" in mistakes[0]
+
+
+def test_eval_file_prints_the_accuracy_line(runs, tmp_path, capsys):
+    eval_file = slice_jsonl(REPO / "dataset" / "sft_demo_eval.jsonl", tmp_path / "eval.jsonl", 3)
+    shutil.copy(runs["a"] / "out" / "pretrain_32.pth", runs["a"] / "out" / "full_sft_32.pth")
+    assert eval_model.main(eval_args(runs["a"], "full_sft", "--eval", str(eval_file), "--max_new_tokens", "4")) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    match = re.fullmatch(r"exact-match accuracy: (\d+)/3 = (\d+\.\d)%", last)
+    assert match and 0 <= int(match.group(1)) <= 3, last
+
+
+def test_interactive_loop_keeps_going_until_an_empty_line(runs, monkeypatch, capsys):
+    shutil.copy(runs["a"] / "out" / "pretrain_32.pth", runs["a"] / "out" / "full_sft_32.pth")
+    stdin = io.StringIO("hello\n/reset\nhi again\n\nnever read\n")
+    monkeypatch.setattr(sys, "stdin", stdin)
+    assert eval_model.main(eval_args(runs["a"], "full_sft", "--max_new_tokens", "3")) == 0
+    assert "(history cleared)" in capsys.readouterr().out
+    assert stdin.read() == "never read\n"  # the empty line ended the session
+
+
+def test_eval_with_wrong_size_flags_names_the_file_and_the_right_flags(runs, capsys):
+    args = eval_args(runs["a"], "pretrain", "--prompt", "x")
+    args[args.index("--num_hidden_layers") + 1] = "3"
+    assert eval_model.main(args) == 1
+    err = capsys.readouterr().err
+    assert "pretrain_32.pth does not fit" in err and "--num_hidden_layers 2" in err
+
+
+# ---- scripts/bench.py -------------------------------------------------------------------------
+
+def test_bench_prints_one_json_line_with_every_key(capsys):
+    bench.main(["--hidden_size", "32", "--num_hidden_layers", "2", "--num_attention_heads", "4",
+                "--num_key_value_heads", "2", "--vocab_size", "256", "--batch_size", "2", "--max_seq_len", "16",
+                "--steps", "2", "--warmup", "1", "--device", "cpu"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1
+    result = json.loads(lines[0])
+    keys = {"impl", "hidden", "layers", "params_M", "batch", "seq", "compile", "tokens_per_s", "tflops", "peak_mem_GiB"}
+    assert keys <= set(result)
+    assert result["impl"] == "tiny-llm-trainer" and result["hidden"] == 32 and result["seq"] == 16
+    assert result["tokens_per_s"] > 0 and result["tflops"] >= 0 and result["peak_mem_GiB"] == 0.0
+
+
+# ---- scripts/inspect_checkpoint.py ------------------------------------------------------------
+
+def test_inspect_resume_file_shows_position_and_verifies_it(runs):
+    text = inspect_checkpoint.describe_checkpoint(resume_file(runs["a"]))
+    assert "resume checkpoint" in text
+    assert re.search(r"integrity: +OK, verified against manifest pretrain_32_history/step_00000003.json", text)
+    assert re.search(r"global step: +3\n", text)
+    assert re.search(rf"samples consumed: +{STEPS * BATCH} of {NUM_SAMPLES} samples", text)
+    assert re.search(r"world size: +1\n", text) and "GradScaler scale: not used" in text
+    model = torch.load(resume_file(runs["a"]), weights_only=True)["model"]
+    unique = sum(t.numel() for n, t in model.items() if n != "lm_head.weight")  # lm_head is tied
+    assert re.search(rf"parameters: +{unique:,}\n", text)
+
+
+def test_inspect_weights_file_infers_the_size_flags(runs):
+    text = inspect_checkpoint.describe_checkpoint(runs["a"] / "out" / "pretrain_32.pth")
+    assert "inference weights" in text and "float16" in text
+    assert "--hidden_size 32 --num_hidden_layers 2 --num_attention_heads 4 --num_key_value_heads 2 --use_moe 0" in text
+
+
+def test_inspect_reports_truncated_and_corrupted_copies(runs, tmp_path, capsys):
+    history = runs["a"] / "ckpt" / "pretrain_32_history"
+    for name in ("step_00000003.pth", "step_00000003.json"):
+        shutil.copy(history / name, tmp_path / name)
+    copy = tmp_path / "step_00000003.pth"
+    data = copy.read_bytes()
+
+    copy.write_bytes(data[:len(data) // 2])
+    with pytest.raises(CheckpointError, match="truncated"):
+        inspect_checkpoint.describe_checkpoint(copy)
+    assert inspect_checkpoint.main([str(copy)]) == 1
+    assert capsys.readouterr().err.startswith("error: ")
+
+    # One flipped byte still loads, which is exactly why the manifest check matters.
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0xFF
+    copy.write_bytes(bytes(flipped))
+    assert "PROBLEM: SHA-256 does not match" in inspect_checkpoint.describe_checkpoint(copy)
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.getpid, ())
+
+
+def test_inspect_refuses_a_pickle_that_is_not_plain_data(tmp_path, capsys):
+    path = tmp_path / "untrusted.pth"
+    torch.save({"model": _Payload()}, path)
+    assert inspect_checkpoint.main([str(path)]) == 1
+    assert "refused" in capsys.readouterr().err
+
+
+def test_inspect_directory_lists_the_kept_history(runs):
+    text = inspect_checkpoint.describe_history(runs["a"] / "ckpt", "pretrain_32")
+    assert "step_00000003.pth" in text and "step_00000002.pth" in text and "<- resume link" in text
+    assert "PROBLEM" not in text
+
+
+# ---- scripts/compare_runs.py ------------------------------------------------------------------
+
+def test_compare_trace_with_itself_is_identical_and_each_sample_trained_once(runs):
+    trace = runs["a"] / "trace.jsonl"
+    code, report = compare_runs.compare_paths(trace, trace)
+    assert code == 0 and report.startswith(f"identical: {STEPS} steps x 1 ranks")
+    assert f"{STEPS * BATCH} distinct samples, each exactly once" in report
+
+
+def test_compare_reports_the_first_step_whose_loss_differs(runs, tmp_path):
+    records = read_trace(runs["a"] / "trace.jsonl")
+    records[1]["loss"] += 1e-3
+    changed = tmp_path / "changed.jsonl"
+    changed.write_text("".join(json.dumps(r) + "\n" for r in records))
+    code, report = compare_runs.compare_paths(runs["a"] / "trace.jsonl", changed)
+    assert code == 1 and report.startswith("first difference at step 2 rank 0: loss")
+    assert compare_runs.compare_paths(runs["a"] / "trace.jsonl", changed, atol=1e-2)[0] == 0
+
+
+def test_compare_reports_repeated_samples_in_an_epoch():
+    trace = {(1, 0): {"epoch": 0, "samples": [3, 1]}, (2, 0): {"epoch": 0, "samples": [1, 2]}}
+    [line] = compare_runs.epoch_coverage(trace, num_samples=4)
+    assert "1 trained more than once: 1 (x2)" in line and "1 of 4 never trained" in line
+
+
+def test_compare_resume_files_of_identical_runs_from_the_command_line(runs):
+    command = [sys.executable, "-m", "scripts.compare_runs", str(resume_file(runs["a"])), str(resume_file(runs["b"]))]
+    result = subprocess.run(command, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("identical:")
+
+
+def test_compare_resume_files_names_the_first_differing_tensor(runs):
+    older = runs["a"] / "ckpt" / "pretrain_32_history" / "step_00000002.pth"
+    code, report = compare_runs.compare_paths(resume_file(runs["a"]), older)
+    assert code == 1
+    assert "global_step: 3 vs 2" in report and "first differing tensor: model.embed_tokens.weight" in report
