@@ -1,7 +1,7 @@
 """The training run both scripts share, as numbered sections you can read top to bottom.
 
     1. distributed init   2. config   3. precision   4. data   5. model + optimizer
-    6. resume             7. compile + DDP            8. train  9. cleanup
+    6. resume             7. compile + DDP + callbacks            8. train  9. cleanup
 
 One optimizer step (`train_step`) = the next global batch of the epoch's order, split across
 ranks and micro-steps; gradients are synced only on the last micro-step (DDP `no_sync`), and the
@@ -26,23 +26,19 @@ from torch.utils.data import DataLoader
 
 from dataset.lm_dataset import load_tokenizer
 from model.model import CausalLM
+from scripts.export_hf import export_hf
 from trainer import callbacks as cb
 from trainer.data_order import IndexedDataset, SkipBatchSampler, epoch_order, steps_in_epoch, steps_left
-from trainer.resume import (FIXED_TRAINING_ARGS, check_resume_compatible, data_fingerprint,
-                            restore_rng_state, rng_state_for_rank)
+from trainer.monitor import MetricsFileWriter
+from trainer.restore import load_initial_weights, resume_if_asked, roll_back
+from trainer.resume import FIXED_TRAINING_ARGS, data_fingerprint
 from trainer.trainer_utils import (DistInfo, Logger, cleanup_distributed, get_lr, init_distributed,
                                    lm_checkpoint, lm_config_from_args, resolve_accumulation, run_name,
                                    setup_seed, unwrap)
-
+from trainer.watchdog import AnomalyGuard, AnomalyStop, validation_loss
 
 # Test-only: seconds to sleep after each step, so a test can signal a run while it is training.
 STEP_DELAY_ENV = "TRAINER_TEST_STEP_DELAY_S"
-
-
-def pause_for_tests(variable: str) -> None:
-    delay = float(os.environ.get(variable, "0") or 0)
-    if delay > 0:
-        time.sleep(delay)
 
 
 @dataclass
@@ -61,6 +57,8 @@ class RunContext:
     accumulation: int
     global_batch: int
     fingerprint: dict
+    guard: AnomalyGuard
+    val_dataset: object = None
     callbacks: cb.CallbackList = None
     epoch: int = 0
     samples_consumed: int = 0        # of the current epoch's order, all ranks together
@@ -70,18 +68,14 @@ class RunContext:
     tracker_runs: dict = field(default_factory=dict)
     stop_signal: str | None = None
 
-    @property
-    def total_steps(self) -> int:
-        return self.args.epochs * steps_in_epoch(len(self.dataset), self.global_batch)
-
     def steps_remaining(self) -> int:
         n, g = len(self.dataset), self.global_batch
         return steps_left(n, self.samples_consumed, g) + (self.args.epochs - self.epoch - 1) * steps_in_epoch(n, g)
 
-    def progress(self) -> float:
-        """Fraction of the whole run's samples trained so far: the LR schedule's clock."""
+    def progress(self, extra_samples: int = 0) -> float:
+        """Fraction of the whole run's samples trained (plus `extra_samples`): the LR schedule's clock."""
         n = len(self.dataset)
-        return (self.epoch * n + self.samples_consumed) / (self.args.epochs * n)
+        return (self.epoch * n + self.samples_consumed + extra_samples) / (self.args.epochs * n)
 
     def train_args(self) -> dict:
         a = self.args
@@ -109,8 +103,9 @@ def run_training(args, make_dataset) -> None:
     autocast = torch.autocast("cuda", dtype=dtype) if use_cuda and dtype != torch.float32 else nullcontext()
     scaler = torch.amp.GradScaler("cuda", enabled=use_cuda and dtype == torch.float16)
 
-    # 4. Data: the dataset indexes and validates the whole file before any training starts.
+    # 4. Data: the datasets index and validate their whole files before any training starts.
     dataset = make_dataset(args.data_path, tokenizer, args.max_seq_len)
+    val_dataset = make_dataset(args.val_data, tokenizer, args.max_seq_len) if args.val_data else None
 
     # 5. Model and optimizer.
     model = CausalLM(lm_config)
@@ -118,17 +113,19 @@ def run_training(args, make_dataset) -> None:
         load_initial_weights(model, args, lm_config, log)
     model.to(dist_info.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.01, fused=use_cuda)
+    guard = AnomalyGuard(args.on_anomaly, args.patience, args.max_rollbacks, args.rollback_lr_factor,
+                         args.debug_inject)
     run = RunContext(args, dist_info, log, lm_config, dataset, model, optimizer, scaler, autocast,
-                     accumulation, global_batch, data_fingerprint(dataset.source))
+                     accumulation, global_batch, data_fingerprint(dataset.source), guard, val_dataset)
     log(f"{lm_config.hidden_size}x{lm_config.num_hidden_layers} model, {unwrap(model).num_parameters() / 1e6:.2f}M "
         f"params; {len(dataset)} samples; global batch {global_batch} = {args.batch_size} x "
-        f"{dist_info.world_size} ranks x {accumulation} accumulation; {run.total_steps} steps")
+        f"{dist_info.world_size} ranks x {accumulation} accumulation; {run.steps_remaining()} steps")
 
     # 6. Resume: weights, optimizer, RNG and data cursor, after checking nothing important changed.
     setup_seed(args.seed + dist_info.rank)  # ranks differ in dropout noise
     tracker_ids = resume_if_asked(run)
 
-    # 7. Compile and DDP (after loading, so state_dict keys carry no wrapper prefixes).
+    # 7. Compile and DDP (after loading, so state_dict keys carry no wrapper prefixes); callbacks.
     if args.use_compile:
         run.model = torch.compile(run.model)
     if dist_info.world_size > 1:
@@ -136,15 +133,20 @@ def run_training(args, make_dataset) -> None:
     run.callbacks = cb.CallbackList(make_callbacks(run, tracker_ids))
     install_stop_handlers(run)
 
-    # 8. Train, epoch by epoch, from the resumed position.
+    # 8. Train, epoch by epoch, from the resumed position (a rollback restarts the epoch loop).
     status = "completed"
     try:
         run.meter["start"] = time.perf_counter()
         run.callbacks.fire("on_train_begin", run)
-        while run.epoch < args.epochs and status == "completed":
+        while run.epoch < args.epochs and status in ("completed", "rolled back"):
             status = train_epoch(run)
-    except BaseException:
+        status = "completed" if status == "rolled back" else status
+    except BaseException as error:
         run.callbacks.fire("on_train_end", run, "failed")
+        if isinstance(error, AnomalyStop):
+            log(f"stopping on anomaly: {error}. The newest checkpoint in {args.checkpoint_dir} is from before it.")
+            cleanup_distributed(exit_code=3)
+            sys.exit(3)
         raise
 
     # 9. Cleanup.
@@ -159,71 +161,26 @@ def run_training(args, make_dataset) -> None:
     cleanup_distributed()
 
 
-def load_initial_weights(model, args, lm_config, log) -> None:
-    """--from_weight NAME loads `{save_dir}/{NAME}_{hidden}[_moe].pth` strictly; 'none' keeps random init."""
-    if args.from_weight == "none":
-        return
-    path = Path(args.save_dir) / f"{run_name(args.from_weight, lm_config)}.pth"
-    if not path.is_file():
-        raise FileNotFoundError(f"--from_weight {args.from_weight}: {path} does not exist. Train that stage first "
-                                f"(e.g. trainer/train_pretrain.py with the same --hidden_size), or pass "
-                                f"--from_weight none to start from random weights")
-    weights = torch.load(path, map_location="cpu", weights_only=True)
-    try:
-        model.load_state_dict(weights, strict=True)
-    except RuntimeError as error:
-        raise RuntimeError(f"{path} does not fit the model built from the flags (check --hidden_size, "
-                           f"--num_hidden_layers, heads, --use_moe):\n{error}") from None
-    log(f"loaded initial weights from {path}")
-
-
-def resume_if_asked(run: RunContext) -> dict:
-    """Restore a checkpoint into `run` when --from_resume/--resume_path ask; returns tracker ids."""
-    args = run.args
-    if not args.from_resume and args.resume_path is None:
-        return {}
-    state = lm_checkpoint(run.lm_config, weight=args.save_weight, checkpoint_dir=args.checkpoint_dir,
-                          resume_path=args.resume_path, num_samples=len(run.dataset),
-                          global_batch=run.global_batch, log=run.log)
-    if state is None:
-        run.log(f"--from_resume 1: no checkpoint of {run_name(args.save_weight, run.lm_config)} in "
-                f"{args.checkpoint_dir}; starting fresh")
-        load_initial_weights(run.model, args, run.lm_config, run.log)
-        return {}
-    for note in check_resume_compatible(state, run.lm_config.to_dict(), run.fingerprint, run.train_args()):
-        run.log(f"resume: {note}")
-    unwrap(run.model).load_state_dict(state["model"], strict=True)
-    run.optimizer.load_state_dict(state["optimizer"])
-    if state["scaler"] is not None:
-        run.scaler.load_state_dict(state["scaler"])
-    run.epoch, run.samples_consumed, run.global_step = state["epoch"], state["samples_consumed"], state["global_step"]
-    old_ws, new_ws = state["world_size"], run.dist.world_size
-    rng = rng_state_for_rank(state["rng"], run.dist.rank, new_ws)
-    if rng is not None:
-        restore_rng_state(rng)
-    old_step = state["train_args"]["batch_size"] * old_ws * state["train_args"]["accumulation_steps"]
-    old_step = steps_in_epoch(len(run.dataset), old_step) - steps_left(len(run.dataset), run.samples_consumed, old_step)
-    change = f"world size {old_ws} -> {new_ws}: " if old_ws != new_ws else ""
-    run.log(f"resumed from {state['resumed_from']}: {change}epoch step {old_step} -> {state['step']}, resuming at "
-            f"sample {run.samples_consumed} of epoch {run.epoch + 1} (exact; global step {run.global_step}"
-            f"{', RNG restored' if rng is not None else ', RNG reseeded for the new world size'})")
-    return state["tracker_ids"]
-
-
 def make_callbacks(run: RunContext, tracker_ids: dict) -> list[cb.TrainerCallback]:
     args, callbacks = run.args, []
     if args.save_debug_train_output:
         callbacks.append(cb.DebugTraceWriter(args.save_debug_train_output))
-    if run.dist.is_main:
+    if not run.dist.is_main:
+        return callbacks
+    loggers = set(args.logger.split(",")) | ({"wandb"} if args.use_wandb else set()) | (
+        {"swanlab"} if args.use_swanlab else set())
+    name = args.run_name or run_name(args.save_weight, run.lm_config)
+    config = dict(vars(args))
+    if "console" in loggers:
         callbacks.append(cb.ConsoleLogger())
-        name = run_name(args.save_weight, run.lm_config)
-        config = {k: v for k, v in vars(args).items()}
-        if args.use_wandb:
-            callbacks.append(cb.WandbLogger(args.wandb_project, name, config, tracker_ids.get("wandb")))
-            run.tracker_runs["wandb"] = callbacks[-1].run
-        if args.use_swanlab:
-            callbacks.append(cb.SwanLabLogger(args.wandb_project, name, config, tracker_ids.get("swanlab")))
-            run.tracker_runs["swanlab"] = callbacks[-1].run
+    if "file" in loggers:
+        callbacks.append(MetricsFileWriter(args.metrics_dir, name))
+    if "wandb" in loggers:
+        callbacks.append(cb.WandbLogger(args.wandb_project, name, config, tracker_ids.get("wandb")))
+        run.tracker_runs["wandb"] = callbacks[-1].run
+    if "swanlab" in loggers:
+        callbacks.append(cb.SwanLabLogger(args.wandb_project, name, config, tracker_ids.get("swanlab")))
+        run.tracker_runs["swanlab"] = callbacks[-1].run
     return callbacks
 
 
@@ -237,18 +194,8 @@ def install_stop_handlers(run: RunContext) -> None:
     signal.signal(signal.SIGINT, request_stop)
 
 
-def stop_requested(run: RunContext) -> bool:
-    """True on every rank if any rank got a stop signal, so all ranks stop at the same step."""
-    flag = torch.tensor([1.0 if run.stop_signal else 0.0], device=run.dist.device)
-    if dist.is_initialized():
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if flag.item() > 0 and run.stop_signal is None:
-        run.stop_signal = "stop signal on another rank"
-    return flag.item() > 0
-
-
 def train_epoch(run: RunContext) -> str:
-    """Train from the cursor to the end of the epoch; returns 'completed' or 'stopped'."""
+    """Train from the cursor to the end of the epoch; returns 'completed', 'stopped' or 'rolled back'."""
     args, n = run.args, len(run.dataset)
     sampler = SkipBatchSampler(epoch_order(args.seed, run.epoch, n), run.samples_consumed, run.global_batch,
                                args.batch_size, run.dist.rank, run.dist.world_size)
@@ -257,21 +204,35 @@ def train_epoch(run: RunContext) -> str:
     batches = iter(loader)
     run.callbacks.fire("on_epoch_begin", run, run.epoch)
     for step_in_call in range(sampler.num_steps()):
-        window_size = len(sampler.step_window(step_in_call))
+        window = len(sampler.step_window(step_in_call))
         micro_batches = [next(batches) for _ in range(sampler.micro_steps_per_step(step_in_call))]
-        record = train_step(run, micro_batches)
-        run.samples_consumed += window_size
+        run.callbacks.fire("on_step_begin", run, run.global_step + 1)
+        if run.guard.should_skip(run.epoch, run.samples_consumed):
+            action, record = "skipped", skipped_record(run, micro_batches)
+        else:
+            action, record = train_step(run, micro_batches, window)
+        if action == "rollback":
+            roll_back(run, run.epoch, run.samples_consumed, record["anomaly"])
+            run.callbacks.fire("on_train_begin", run)  # the run restarts from the checkpoint's step
+            return "rolled back"
+        if action == "stop":
+            raise AnomalyStop(record["anomaly"])
+        stop_requested = record.pop("stop_requested")
+        run.meter["tokens"] = run.meter.get("tokens", 0) + record.pop("tokens")
+        run.samples_consumed += window
         run.global_step += 1
         run.steps_this_invocation += 1
-        run.meter["tokens"] = run.meter.get("tokens", 0) + record.pop("tokens")
         run.callbacks.fire("on_step_end", run, record)
         pause_for_tests(STEP_DELAY_ENV)
         epoch_done = run.samples_consumed == n
         if epoch_done:
             run.epoch, run.samples_consumed = run.epoch + 1, 0
+        last_step = run.epoch == args.epochs
         if run.global_step % args.log_interval == 0 or epoch_done:
             log_metrics(run, record)
-        stop = stop_requested(run) or (args.max_steps is not None and run.steps_this_invocation >= args.max_steps)
+        if run.val_dataset is not None and (run.global_step % args.eval_interval == 0 or last_step):
+            run_validation(run)
+        stop = stop_requested or (args.max_steps is not None and run.steps_this_invocation >= args.max_steps)
         if stop or epoch_done or run.global_step % args.save_interval == 0:
             save_checkpoint(run, lr=record["lr"])
         if stop:
@@ -280,62 +241,94 @@ def train_epoch(run: RunContext) -> str:
     return "completed"
 
 
-def train_step(run: RunContext, micro_batches: list) -> dict:
-    """One optimizer step over this rank's micro-batches of the global batch."""
-    model, args = run.model, run.args
-    lr = get_lr(run.progress(), args.learning_rate, args.warmup_ratio)
+def train_step(run: RunContext, micro_batches: list, window: int) -> tuple[str, dict]:
+    """One optimizer step over this rank's micro-batches; returns (action, trace record)."""
+    model, args, device = run.model, run.args, run.dist.device
+    step = run.global_step + 1
+    # The LR at the position this step reaches, so the first step already trains.
+    lr = get_lr(run.progress(window), args.learning_rate, args.warmup_ratio) * run.guard.lr_scale
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     # Tokens that carry loss in the whole global batch (all ranks): the loss denominator.
     local_tokens = sum(int((labels[:, 1:] != -100).sum()) for _, _, labels in micro_batches)
-    total_tokens = torch.tensor([local_tokens], dtype=torch.float64, device=run.dist.device)
+    total_tokens = torch.tensor([local_tokens], dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(total_tokens)
     # DDP averages gradients over ranks, so scale by world_size to get a sum over all tokens / total.
     loss_scale = run.dist.world_size / max(total_tokens.item(), 1.0)
-    loss_sum = torch.zeros((), device=run.dist.device)
+    inject = run.guard.injected_loss_factor(step)
+    loss_sum = torch.zeros((), device=device)
     trained = []
     for i, (indices, input_ids, labels) in enumerate(micro_batches):
-        input_ids = input_ids.to(run.dist.device, non_blocking=True)
-        labels = labels.to(run.dist.device, non_blocking=True)
         is_last = i == len(micro_batches) - 1
         # Only the last micro-step needs the gradient all-reduce; the others just accumulate.
         sync = nullcontext() if is_last or not isinstance(model, DistributedDataParallel) else model.no_sync()
         with sync:
             with run.autocast:
-                out = model(input_ids, labels=labels, loss_reduction="sum")
-                loss = out.loss * loss_scale + out.aux_loss / len(micro_batches)
+                out = model(input_ids.to(device, non_blocking=True), labels=labels.to(device, non_blocking=True),
+                            loss_reduction="sum")
+                token_loss = out.loss * inject
+                loss = token_loss * loss_scale + out.aux_loss / len(micro_batches)
             run.scaler.scale(loss).backward()
-        loss_sum += out.loss.detach()
+        loss_sum += token_loss.detach().float()
         trained += [int(i) for i in indices if i >= 0]
     run.scaler.unscale_(run.optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-    run.scaler.step(run.optimizer)
+    # One small all-reduce: the global loss, whether any rank was asked to stop, tokens processed.
+    shared = torch.tensor([loss_sum.item(), 1.0 if run.stop_signal else 0.0,
+                           sum(x.numel() for _, x, _ in micro_batches)], dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(shared)
+    global_loss = shared[0].item() / max(total_tokens.item(), 1.0)
+    action, reason = run.guard.verdict(step, global_loss, grad_norm.item(), not run.scaler.is_enabled())
+    if reason:
+        run.log(f"anomaly: {reason} (--on_anomaly {args.on_anomaly}: {action})")
+        run.callbacks.fire("on_anomaly", run, reason)
+    if action == "apply":
+        run.scaler.step(run.optimizer)
     run.scaler.update()
     run.optimizer.zero_grad(set_to_none=True)
+    record = {"step": step, "epoch": run.epoch, "rank": run.dist.rank, "world_size": run.dist.world_size,
+              "samples": trained if action == "apply" else [], "loss": loss_sum.item() / max(local_tokens, 1),
+              "loss_sum": loss_sum.item(), "local_tokens": local_tokens, "global_loss": global_loss,
+              "grad_norm": grad_norm.item(), "lr": lr}
+    if action != "apply":
+        record.update(skipped=True, skipped_samples=trained, anomaly=reason)
+    return action, {**record, "stop_requested": shared[1].item() > 0, "tokens": shared[2].item()}
+
+
+def skipped_record(run: RunContext, micro_batches: list) -> dict:
+    """The trace record of a batch window stepped over after a rollback: nothing was trained."""
+    run.log(f"skipping the batch window at sample {run.samples_consumed} of epoch {run.epoch + 1} (it caused an "
+            f"anomaly before the rollback)")
     return {"step": run.global_step + 1, "epoch": run.epoch, "rank": run.dist.rank,
-            "world_size": run.dist.world_size, "samples": trained,
-            "loss": loss_sum.item() / max(local_tokens, 1), "loss_sum": loss_sum.item(),
-            "local_tokens": local_tokens, "grad_norm": grad_norm.item(), "lr": lr,
-            "tokens": sum(int(x.numel()) for _, x, _ in micro_batches)}
+            "world_size": run.dist.world_size, "samples": [], "skipped": True,
+            "skipped_samples": [int(i) for indices, _, _ in micro_batches for i in indices if i >= 0],
+            "loss": float("nan"), "global_loss": float("nan"), "grad_norm": float("nan"), "lr": 0.0,
+            "stop_requested": False, "tokens": 0}
 
 
 def log_metrics(run: RunContext, record: dict) -> None:
-    """The step's loss over all ranks (one all-reduce, only at log steps) and throughput."""
-    totals = torch.tensor([record["loss_sum"], record["local_tokens"], run.meter.pop("tokens", 0)],
-                          dtype=torch.float64, device=run.dist.device)
-    if dist.is_initialized():
-        dist.all_reduce(totals)
+    """Metrics of the latest step and the throughput since the previous log (no extra collective)."""
     now = time.perf_counter()
-    since_last_log = now - run.meter.get("last_log", run.meter["start"])
-    run.meter["last_log"] = now
-    seconds_per_step = (now - run.meter["start"]) / max(run.steps_this_invocation, 1)
+    since = now - run.meter.get("last_log", run.meter["start"])
+    steps = run.global_step - run.meter.get("last_log_step", run.global_step - run.steps_this_invocation)
+    tokens = run.meter.pop("tokens", 0)
+    run.meter.update(last_log=now, last_log_step=run.global_step)
     metrics = {"step": record["step"], "epoch": record["epoch"], "samples_consumed": run.samples_consumed,
-               "loss": totals[0].item() / max(totals[1].item(), 1.0), "lr": record["lr"],
-               "grad_norm": record["grad_norm"], "tokens_per_s": totals[2].item() / max(since_last_log, 1e-9),
-               "eta_s": run.steps_remaining() * seconds_per_step}
+               "loss": record["global_loss"], "lr": record["lr"], "grad_norm": record["grad_norm"],
+               "tokens_per_s": tokens / max(since, 1e-9), "step_time_s": since / max(steps, 1),
+               "eta_s": run.steps_remaining() * (now - run.meter["start"]) / max(run.steps_this_invocation, 1)}
+    if run.dist.device.type == "cuda":
+        metrics["peak_mem_GiB"] = torch.cuda.max_memory_allocated() / 2**30
     if run.dist.is_main:
         run.callbacks.fire("on_log", run, metrics)
+
+
+def run_validation(run: RunContext) -> None:
+    loss = validation_loss(unwrap(run.model), run.val_dataset, run.args.batch_size, run.dist.device, run.autocast)
+    if run.dist.is_main:
+        run.callbacks.fire("on_validation_end", run, {"step": run.global_step, "val/loss": loss})
 
 
 def save_checkpoint(run: RunContext, lr: float) -> None:
@@ -347,4 +340,13 @@ def save_checkpoint(run: RunContext, lr: float) -> None:
                   samples_consumed=run.samples_consumed, global_step=run.global_step, scaler=run.scaler, lr=lr,
                   train_args=run.train_args(), data_fingerprint=run.fingerprint, keep_last=run.args.keep_last,
                   swanlab=run.tracker_runs.get("swanlab"))
+    if run.args.save_hf and run.dist.is_main:
+        hf_dir = Path(run.args.save_dir) / f"{run_name(run.args.save_weight, run.lm_config)}_hf"
+        export_hf(unwrap(run.model).state_dict(), run.lm_config, hf_dir, run.args.tokenizer_path)
     run.callbacks.fire("on_checkpoint_saved", run, str(run.args.checkpoint_dir))
+
+
+def pause_for_tests(variable: str) -> None:
+    delay = float(os.environ.get(variable, "0") or 0)
+    if delay > 0:
+        time.sleep(delay)

@@ -10,6 +10,7 @@ import argparse
 import math
 import os
 import random
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +70,19 @@ def build_arg_parser(description: str, *, save_weight: str, from_weight: str, da
     a("--wandb_project", default="tiny-llm-trainer")
     a("--save_debug_train_output", default=None,
       help="JSONL path: one record per optimizer step and rank (sample indices, loss, lr)")
+    a("--save_hf", type=int, default=0, choices=(0, 1), help="1: also write a Hugging Face export at each save")
+    # Watching the run: metrics files, trackers, validation.
+    a("--logger", default="console,file", help="any of console,file,wandb,swanlab, comma-separated")
+    a("--metrics_dir", default=str(REPO_ROOT / "out"), help="where {run_name}_metrics.jsonl and _status.json go")
+    a("--run_name", default=None, help="name of the metrics files and tracker run (default {weight}_{hidden})")
+    a("--val_data", default=None, help="JSONL validation file in the training format")
+    a("--eval_interval", type=int, default=100, help="optimizer steps between validations")
+    # Anomalies: what to do when a step looks wrong.
+    a("--on_anomaly", default="warn", choices=("warn", "stop", "rollback"))
+    a("--patience", type=int, default=0, help="steps without loss improvement that count as a plateau (0: off)")
+    a("--max_rollbacks", type=int, default=3)
+    a("--rollback_lr_factor", type=float, default=1.0, help="multiply the LR by this after each rollback")
+    a("--debug_inject", default=None, help="test aid: nan:K or spike:K makes step K's loss NaN or huge")
     return p
 
 
@@ -112,12 +126,21 @@ def init_distributed(device_flag: str) -> DistInfo:
     return DistInfo(rank, local_rank, world_size, device)
 
 
-def cleanup_distributed() -> None:
-    if dist.is_initialized():
-        # Wait for every rank before tearing down: a rank that destroys its process group while
-        # a peer still talks to it can abort gloo's background threads.
-        dist.barrier()
-        dist.destroy_process_group()
+def cleanup_distributed(exit_code: int = 0) -> None:
+    """Tear the process group down; under torchrun, then end the process at once with `exit_code`.
+
+    Known PyTorch issue: with gloo, C++ worker threads can still be alive when the interpreter
+    finalizes, and their destructors abort the process ("terminate called without an active
+    exception", exit -6) after training succeeded. Once every rank has passed the barrier and
+    the group is destroyed there is nothing left to clean up, so the process exits directly.
+    """
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
 
 
 class Logger:
