@@ -28,14 +28,18 @@ class AnomalyStop(RuntimeError):
     """Training stopped on an anomaly (--on_anomaly stop, or rollbacks exhausted)."""
 
 
-def parse_injection(spec: str | None) -> tuple[str, int] | None:
-    """`--debug_inject nan:K` or `spike:K` -> ("nan", K); makes step K's loss non-finite or huge."""
-    if not spec:
-        return None
-    kind, _, step = spec.partition(":")
-    if kind not in ("nan", "spike") or not step.isdigit():
-        raise ValueError(f"--debug_inject {spec!r}: expected nan:STEP or spike:STEP, e.g. nan:12")
-    return kind, int(step)
+def parse_injection(spec: str | None) -> dict[int, str]:
+    """`--debug_inject nan:K,spike:J` -> {K: "nan", J: "spike"}: make those steps' loss NaN or huge."""
+    injections = {}
+    for item in (spec or "").split(","):
+        if not item:
+            continue
+        kind, _, step = item.partition(":")
+        if kind not in ("nan", "spike") or not step.isdigit():
+            raise ValueError(f"--debug_inject {spec!r}: expected nan:STEP or spike:STEP (comma-separated), "
+                             f"e.g. nan:12")
+        injections[int(step)] = kind
+    return injections
 
 
 class AnomalyGuard:
@@ -52,11 +56,10 @@ class AnomalyGuard:
         self.injection = parse_injection(inject)
 
     def injected_loss_factor(self, step: int) -> float:
-        """1.0 normally; NaN or 1e4 at the injected step (once per process, so a rollback clears it)."""
-        if self.injection is None or self.injection[1] != step:
+        """1.0 normally; NaN or 1e4 at an injected step (each fires once per process)."""
+        kind = self.injection.pop(step, None)
+        if kind is None:
             return 1.0
-        kind, _ = self.injection
-        self.injection = None
         return math.nan if kind == "nan" else 1e4
 
     def verdict(self, step: int, loss: float, grad_norm: float, gradients_finite_expected: bool) -> tuple[str, str]:
