@@ -231,6 +231,13 @@ def lm_checkpoint(lm_config: LMConfig, weight: str = "full_sft", model=None, opt
         raise error
 
 
+def cast_state_dict(state_dict: dict, dtype: torch.dtype) -> dict:
+    """CPU copies in `dtype` that keep tied tensors tied (embedding = lm_head), so files hold them once."""
+    converted = {}
+    return {name: converted.setdefault(t.data_ptr(), t.detach().to("cpu", dtype))
+            for name, t in state_dict.items()}
+
+
 def _tracker_id(run, name: str) -> str | None:
     if run is None:
         return None
@@ -243,7 +250,7 @@ def _write_checkpoint(files, lm_config, model, optimizer, epoch, step, wandb, sa
                       samples_consumed: int, global_step: int, scaler=None, lr: float = 0.0,
                       train_args: dict | None = None, data_fingerprint: dict | None = None,
                       keep_last: int = 2, swanlab=None) -> None:
-    weights = {k: v.detach().to(torch.float16).cpu() for k, v in model.state_dict().items()}
+    weights = cast_state_dict(model.state_dict(), torch.float16)
     out_path = Path(save_dir) / f"{files.name}.pth"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -252,7 +259,7 @@ def _write_checkpoint(files, lm_config, model, optimizer, epoch, step, wandb, sa
         raise checkpoint_io.CheckpointError(f"could not write {out_path}: {error}") from error
     state = {
         "format_version": 1,
-        "model": {k: v.detach().float().cpu() for k, v in model.state_dict().items()},  # FP32 master weights
+        "model": cast_state_dict(model.state_dict(), torch.float32),  # FP32 master weights
         "optimizer": optimizer.state_dict(),
         "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
         "epoch": epoch, "step": step, "global_step": global_step, "samples_consumed": samples_consumed,
@@ -268,14 +275,15 @@ def _write_checkpoint(files, lm_config, model, optimizer, epoch, step, wandb, sa
 def _load_resume_state(files, *, resume_path: str | None = None, num_samples: int | None = None,
                        global_batch: int | None = None, log=print) -> dict | None:
     """Pick the checkpoint on rank 0, share the choice, load it on every rank."""
-    choice = [None]
+    choice, state = [None], None
     if not dist.is_initialized() or dist.get_rank() == 0:
-        choice[0] = _choose_checkpoint(files, resume_path, log)
+        choice[0], state = _choose_checkpoint(files, resume_path, log)
     if dist.is_initialized():
         dist.broadcast_object_list(choice, src=0)
     if choice[0] is None:
         return None
-    state = checkpoint_io.load_trusted(Path(choice[0]))
+    if state is None:  # the other ranks read the file rank 0 chose and verified
+        state = checkpoint_io.load_trusted(Path(choice[0]))
     state["resumed_from"] = choice[0]
     if num_samples is not None and global_batch is not None:
         # The step within the epoch is derived from the sample cursor, so it is exact at any geometry.
@@ -284,10 +292,11 @@ def _load_resume_state(files, *, resume_path: str | None = None, num_samples: in
     return state
 
 
-def _choose_checkpoint(files, resume_path: str | None, log) -> str | None:
+def _choose_checkpoint(files, resume_path: str | None, log) -> tuple[str | None, dict | None]:
+    """(path, loaded state) of the checkpoint to resume; (None, None) when there is nothing."""
     if resume_path is None:
         found = checkpoint_io.newest_good_checkpoint(files, log)
-        return None if found is None else str(found[0])
+        return (None, None) if found is None else (str(found[0]), found[1])
     path = Path(resume_path)
     problem = checkpoint_io.verify(path)
     if problem:
@@ -303,4 +312,4 @@ def _choose_checkpoint(files, resume_path: str | None, log) -> str | None:
                 if f.exists():
                     os.replace(f, aside / f.name)
         log(f"resuming from {path}; moved the newer checkpoints {', '.join(p.name for p in newer)} to {aside}")
-    return str(path)
+    return str(path), checkpoint_io.load_trusted(path)
