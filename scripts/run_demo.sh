@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The whole pipeline on a laptop-class CPU in a few minutes:
+#   demo data -> pretrain -> SFT -> exact-match eval -> one chat answer -> loss curves.
+# Sizes are small on purpose (a ~1M-parameter model); the flags are the same on a GPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SIZE=(--hidden_size 128 --num_hidden_layers 4 --num_attention_heads 4 --num_key_value_heads 2)
+
+echo "== 1. demo data (deterministic: rewrites the committed files byte for byte)"
+python dataset/make_demo_data.py
+
+echo "== 2. pretrain"
+python trainer/train_pretrain.py "${SIZE[@]}" --max_seq_len 128 --batch_size 32 --learning_rate 2e-3 \
+    --epochs 1 --log_interval 20 --save_interval 100 --val_data dataset/val_demo.jsonl --eval_interval 100
+
+echo "== 3. supervised fine-tuning (starts from out/pretrain_128.pth)"
+python trainer/train_full_sft.py "${SIZE[@]}" --max_seq_len 128 --batch_size 32 --learning_rate 1e-3 \
+    --epochs 2 --log_interval 20 --save_interval 100
+
+echo "== 4. exact-match accuracy on held-out questions"
+python eval_model.py --weight full_sft "${SIZE[@]}" --eval dataset/sft_demo_eval.jsonl
+
+echo "== 5. chat"
+python eval_model.py --weight full_sft "${SIZE[@]}" --prompt "What is the capital of France?"
+python eval_model.py --weight full_sft "${SIZE[@]}" --prompt "3加4等于几？"
+
+echo "== 6. loss curves"
+python -m scripts.plot_metrics out/pretrain_128_metrics.jsonl -o out/pretrain_128_curves.png
