@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainer.monitor import AnomalyDetector, MetricsFileWriter, read_metrics, read_status
+from trainer.monitor import AnomalyDetector, MetricsFileWriter, is_train_record, read_metrics, read_status
 
 
 # ---- AnomalyDetector ----
@@ -158,7 +158,7 @@ def test_status_goes_running_then_completed_and_records_anomalies(tmp_path):
     assert read_status(tmp_path / "run_status.json")["state"] == "running"
     log_steps(writer, run, range(1, 3))
     reason = "loss spike at step 2: 9.0 > 3.1"
-    writer.on_anomaly(run, reason)
+    writer.on_anomaly(run, 2, reason)
     status = read_status(tmp_path / "run_status.json")
     assert status["state"] == "running" and status["anomaly"] == {"step": 2, "reason": reason}
     log_steps(writer, run, range(3, 4))
@@ -198,3 +198,21 @@ def test_status_file_is_always_valid_json_while_being_rewritten(tmp_path):
         reader.join()
     assert problems == [] and reads[0] > 0
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_rollback_cuts_back_the_metrics_but_keeps_the_anomaly_that_caused_it(tmp_path):
+    writer, run = MetricsFileWriter(str(tmp_path), "run"), fake_run(0)
+    writer.on_train_begin(run)
+    log_steps(writer, run, range(1, 7))
+    writer.on_anomaly(run, 7, "non-finite loss nan at step 7")
+    run.global_step = 4  # the checkpoint the loop rolled back to
+    writer.on_rollback(run, 4)
+    log_steps(writer, run, range(5, 9))
+    records = read_metrics(tmp_path / "run_metrics.jsonl")
+    steps = [r["step"] for r in records if is_train_record(r)]
+    assert steps == list(range(1, 9))  # steps 5 and 6 were logged twice, kept once
+    events = [(r["event"], r["step"]) for r in records if "event" in r]
+    assert events == [("anomaly", 7), ("rollback", 4)]
+    assert read_status(tmp_path / "run_status.json")["anomaly"]["step"] == 7
+    writer.on_log(run, metrics_at(9, loss=float("nan")))  # written as null: strict JSON stays valid
+    assert json.loads((tmp_path / "run_metrics.jsonl").read_text().splitlines()[-1])["loss"] is None

@@ -172,9 +172,7 @@ def offline_runs(pattern_dir: Path, pattern: str, read) -> list[tuple[str, str, 
 def test_wandb_and_swanlab_offline_get_the_metrics_file_steps_and_keep_their_run_ids_on_resume(
         tmp_path, pretrain_data):
     args = run_args(tmp_path, pretrain_data, "--logger", "console,file,wandb,swanlab", "--save_interval", "2")
-    # PYTHONSAFEPATH=1 keeps trainer/ off sys.path: trainer/watchdog.py would otherwise shadow the
-    # `watchdog` package SwanLab imports (see test_swanlab_logger_starts_when_the_script_is_run_by_path).
-    env = dict(WANDB_DIR=tmp_path, SWANLAB_LOGDIR=tmp_path / "swanlog", PYTHONSAFEPATH=1)
+    env = dict(WANDB_DIR=tmp_path, SWANLAB_LOGDIR=tmp_path / "swanlog")
     train("train_pretrain.py", None, [*args, "--max_steps", "4"], tmp_path, **env)
     first_ids = resume_file(tmp_path)["tracker_ids"]
     train("train_pretrain.py", None, [*args, "--from_resume", "1"], tmp_path, **env)
@@ -193,9 +191,9 @@ def test_wandb_and_swanlab_offline_get_the_metrics_file_steps_and_keep_their_run
         assert {**first, **resumed} == file_losses, name
 
 
-@pytest.mark.xfail(strict=True, reason="trainer/watchdog.py shadows the `watchdog` package that swanlab imports "
-                                       "when a script is run by path (sys.path[0] is trainer/)")
 def test_swanlab_logger_starts_when_the_script_is_run_by_path(tmp_path, pretrain_data):
+    # Running trainer/x.py puts trainer/ first on sys.path: no module there may shadow a package
+    # a tracker imports (a trainer/watchdog.py once hid the `watchdog` package SwanLab needs).
     result = train("train_pretrain.py", None, run_args(tmp_path, pretrain_data, "--logger", "file,swanlab",
                                                        "--max_steps", "1"),
                    tmp_path, check=False, SWANLAB_LOGDIR=tmp_path / "swanlog")

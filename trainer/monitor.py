@@ -78,6 +78,17 @@ def is_train_record(record: dict) -> bool:
 
 # ---- the callback ----
 
+def finite_or_null(value):
+    """NaN/inf as null: strict JSON readers (jq, browsers) reject Python's NaN literal."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite_or_null(v) for v in value]
+    return value
+
+
 class MetricsFileWriter(TrainerCallback):
     """Writes `{run_name}_metrics.jsonl` and `{run_name}_status.json` under `metrics_dir`.
 
@@ -138,9 +149,18 @@ class MetricsFileWriter(TrainerCallback):
         self.status["latest_val"] = record
         self._write_status()
 
-    def on_anomaly(self, run, reason: str) -> None:
-        self.status["anomaly"] = {"step": run.global_step, "reason": reason}
-        self._append({"event": "anomaly", "step": run.global_step, "reason": reason, "time": time.time()})
+    def on_anomaly(self, run, step: int, reason: str) -> None:
+        self.status["anomaly"] = {"step": step, "reason": reason}
+        self._append({"event": "anomaly", "step": step, "reason": reason, "time": time.time()})
+        self._write_status()
+
+    def on_rollback(self, run, step: int) -> None:
+        """Back at checkpoint `step`: later records will be logged again, but the anomaly stays."""
+        self._cut_back_to(step)
+        self.file.close()
+        self.file = open(self.metrics_file, "a", encoding="utf-8")
+        self._append({"event": "rollback", "step": step, "time": time.time()})
+        self.status.update(step=step, total_steps=step + run.steps_remaining())
         self._write_status()
 
     def on_train_end(self, run, status: str) -> None:
@@ -160,14 +180,16 @@ class MetricsFileWriter(TrainerCallback):
         The rewrite is atomic, so a crash during it leaves either the old file or the new one.
         """
         from trainer.checkpoint_io import atomic_write_text  # see _write_status for why it is here
-        kept = [r for r in read_metrics(self.metrics_file) if r.get("step", 0) <= step]
+        # Anomaly events stay: they explain the rollback that follows them.
+        kept = [r for r in read_metrics(self.metrics_file)
+                if r.get("step", 0) <= step or r.get("event") == "anomaly"]
         atomic_write_text(self.metrics_file, "".join(json.dumps(r) + "\n" for r in kept))
         return kept
 
     def _append(self, record: dict) -> None:
         # One write of a whole line, then flush: a reader (or a crash) sees whole lines only,
         # except possibly a last partial one, which read_metrics skips.
-        self.file.write(json.dumps(record) + "\n")
+        self.file.write(json.dumps(finite_or_null(record)) + "\n")
         self.file.flush()
 
     def _write_status(self) -> None:
@@ -175,7 +197,7 @@ class MetricsFileWriter(TrainerCallback):
         # scripts) work on a machine that has the files but not torch.
         from trainer.checkpoint_io import atomic_write_text
         self.status["updated"] = time.time()
-        atomic_write_text(self.status_file, json.dumps(self.status, indent=1) + "\n")
+        atomic_write_text(self.status_file, json.dumps(finite_or_null(self.status), indent=1) + "\n")
 
 
 # ---- the anomaly detector ----

@@ -14,7 +14,7 @@ import torch
 from trainer.data_order import steps_in_epoch, steps_left
 from trainer.resume import check_resume_compatible, restore_rng_state, rng_state_for_rank
 from trainer.trainer_utils import lm_checkpoint, run_name, unwrap
-from trainer.watchdog import AnomalyStop
+from trainer.anomaly_guard import AnomalyStop
 
 
 def load_initial_weights(model: torch.nn.Module, args, lm_config, log) -> None:

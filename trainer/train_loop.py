@@ -35,7 +35,7 @@ from trainer.resume import FIXED_TRAINING_ARGS, data_fingerprint
 from trainer.trainer_utils import (DistInfo, Logger, cleanup_distributed, get_lr, init_distributed,
                                    lm_checkpoint, lm_config_from_args, resolve_accumulation, run_name,
                                    setup_seed, unwrap)
-from trainer.watchdog import AnomalyGuard, AnomalyStop, validation_loss
+from trainer.anomaly_guard import AnomalyGuard, AnomalyStop, validation_loss
 
 # Test-only: seconds to sleep after each step, so a test can signal a run while it is training.
 STEP_DELAY_ENV = "TRAINER_TEST_STEP_DELAY_S"
@@ -213,7 +213,7 @@ def train_epoch(run: RunContext) -> str:
             action, record = train_step(run, micro_batches, window)
         if action == "rollback":
             roll_back(run, run.epoch, run.samples_consumed, record["anomaly"])
-            run.callbacks.fire("on_train_begin", run)  # the run restarts from the checkpoint's step
+            run.callbacks.fire("on_rollback", run, run.global_step)
             return "rolled back"
         if action == "stop":
             raise AnomalyStop(record["anomaly"])
@@ -283,7 +283,7 @@ def train_step(run: RunContext, micro_batches: list, window: int) -> tuple[str, 
     action, reason = run.guard.verdict(step, global_loss, grad_norm.item(), not run.scaler.is_enabled())
     if reason:
         run.log(f"anomaly: {reason} (--on_anomaly {args.on_anomaly}: {action})")
-        run.callbacks.fire("on_anomaly", run, reason)
+        run.callbacks.fire("on_anomaly", run, step, reason)
     if action == "apply":
         run.scaler.step(run.optimizer)
     run.scaler.update()
