@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pytest
@@ -106,3 +107,23 @@ def test_two_node_launch_on_loopback_trains(tmp_path, pretrain_data):
     assert max(r["step"] for r in records) == 4
     ranks_samples = [set(s for r in records if r["rank"] == rank for s in r["samples"]) for rank in (0, 1)]
     assert not ranks_samples[0] & ranks_samples[1], "the two nodes trained overlapping samples"
+
+
+def test_validation_loss_is_logged_every_eval_interval_and_at_the_last_step(tmp_path, pretrain_data):
+    val = tmp_path / "val.jsonl"
+    val.write_text("\n".join(pretrain_data.read_text().splitlines()[:7]) + "\n")
+    train("train_pretrain.py", 2, [*paths(tmp_path), "--data_path", str(pretrain_data), "--batch_size", "4",
+                                   "--val_data", str(val), "--eval_interval", "2"], tmp_path)
+    records = [json.loads(line) for line in (tmp_path / "out" / "pretrain_32_metrics.jsonl").read_text().splitlines()]
+    val_steps = [r["step"] for r in records if "val/loss" in r]
+    assert val_steps == [2, 4, 5]  # 37 samples / global batch 8 = 5 steps; the last one is always validated
+    assert all(0 < r["val/loss"] < 20 for r in records if "val/loss" in r)
+
+
+def test_save_hf_writes_a_transformers_directory_at_each_save(tmp_path, pretrain_data):
+    train("train_pretrain.py", None, [*paths(tmp_path), "--data_path", str(pretrain_data), "--max_steps", "2",
+                                      "--save_hf", "1"], tmp_path)
+    hf_dir = tmp_path / "out" / "pretrain_32_hf"
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+            "tokenizer_config.json"} <= {p.name for p in hf_dir.iterdir()}
+    assert json.loads((hf_dir / "config.json").read_text())["hidden_size"] == 32

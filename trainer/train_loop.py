@@ -32,9 +32,9 @@ from trainer.data_order import IndexedDataset, SkipBatchSampler, epoch_order, st
 from trainer.monitor import MetricsFileWriter
 from trainer.restore import load_initial_weights, resume_if_asked, roll_back
 from trainer.resume import FIXED_TRAINING_ARGS, data_fingerprint
-from trainer.trainer_utils import (DistInfo, Logger, cleanup_distributed, get_lr, init_distributed,
-                                   lm_checkpoint, lm_config_from_args, resolve_accumulation, run_name,
-                                   setup_seed, unwrap)
+from trainer.trainer_utils import (DistInfo, Logger, cleanup_distributed, flops_per_token, get_lr,
+                                   init_distributed, lm_checkpoint, lm_config_from_args, peak_flops,
+                                   resolve_accumulation, run_name, setup_seed, unwrap)
 from trainer.anomaly_guard import AnomalyGuard, AnomalyStop, validation_loss
 
 # Test-only: seconds to sleep after each step, so a test can signal a run while it is training.
@@ -321,6 +321,12 @@ def log_metrics(run: RunContext, record: dict) -> None:
                "eta_s": run.steps_remaining() * (now - run.meter["start"]) / max(run.steps_this_invocation, 1)}
     if run.dist.device.type == "cuda":
         metrics["peak_mem_GiB"] = torch.cuda.max_memory_allocated() / 2**30
+        peak = peak_flops(run.dist.device)
+        if peak is not None:
+            cfg = run.lm_config
+            per_token = flops_per_token(unwrap(run.model).num_parameters(), cfg.num_hidden_layers, cfg.hidden_size,
+                                        run.args.max_seq_len)
+            metrics["mfu"] = per_token * metrics["tokens_per_s"] / (peak * run.dist.world_size)
     if run.dist.is_main:
         run.callbacks.fire("on_log", run, metrics)
 

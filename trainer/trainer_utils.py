@@ -161,6 +161,23 @@ def setup_seed(seed: int) -> None:
     torch.cuda.manual_seed_all(seed)
 
 
+# Dense bf16 peak of common GPUs (TFLOPS), for MFU = achieved / peak model FLOPs.
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "4090": 165.0, "A10": 125.0}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The GPU's dense bf16 peak in FLOP/s if it is a known model, else None (MFU is then not logged)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((tflops * 1e12 for key, tflops in PEAK_BF16_TFLOPS.items() if key in name), None)
+
+
+def flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6 per parameter (forward + backward) plus causal attention scores."""
+    return 6 * num_params + 12 * num_layers * hidden_size * seq_len
+
+
 # ---- schedule and batch geometry ------------------------------------------------------------
 
 def get_lr(progress: float, base_lr: float, warmup_ratio: float) -> float:
