@@ -15,12 +15,14 @@ A save never touches an existing good file: it writes a new history file through
 (flush + fsync + `os.replace` + fsync of the directory), writes its manifest the same way,
 re-reads the file to check the SHA-256, and only then moves the `_resume.pth` link and the latest
 pointer and deletes the oldest history entries. A crash at any point leaves the previous newest
-checkpoint intact and verifiable; resume walks the history newest first and takes the first
-file that matches its manifest and loads with `weights_only=True`.
+checkpoint intact and verifiable; a save that fails (a full disk) removes its own half-written
+files. Resume walks the history newest first and takes the first file that matches its manifest
+and loads with `weights_only=True`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -95,13 +97,18 @@ class _HashingWriter:
 
     def __init__(self, file):
         self.file, self.sha256, self.size = file, hashlib.sha256(), 0
+        self.error: OSError | None = None
 
     def write(self, data) -> int:
         if self.size == 0:
             _pause_for_tests(0.25)  # a kill here leaves a truncated temp file
         self.sha256.update(data)
         self.size += len(data)
-        return self.file.write(data)
+        try:
+            return self.file.write(data)
+        except OSError as error:
+            self.error = error  # torch.save hides it (see atomic_write); keep it for the caller
+            raise
 
     def flush(self) -> None:
         self.file.flush()
@@ -110,6 +117,7 @@ class _HashingWriter:
 def atomic_write(path: Path, write: Callable[[Any], None]) -> tuple[int, str]:
     """Write `path` through a temp file, fsync, rename, fsync the directory; returns (size, sha256)."""
     tmp = path.with_name(path.name + ".tmp")
+    writer = None
     try:
         with open(tmp, "wb") as raw:
             writer = _HashingWriter(raw)
@@ -119,8 +127,12 @@ def atomic_write(path: Path, write: Callable[[Any], None]) -> tuple[int, str]:
         _pause_for_tests(0.25)
         os.replace(tmp, path)
         fsync_dir(path.parent)
-    except BaseException:
+    except BaseException as error:
         tmp.unlink(missing_ok=True)
+        # torch.save turns an OSError from our write() (a full disk: ENOSPC) into a bare
+        # RuntimeError "unexpected pos ..."; re-raise the real cause so callers see an OSError.
+        if writer is not None and writer.error is not None and error is not writer.error:
+            raise writer.error from error
         raise
     return writer.size, writer.sha256.hexdigest()
 
@@ -143,29 +155,40 @@ def save_verified(files: RunFiles, state: dict, step: int, keep_last: int, info:
     `info` (epoch, samples consumed, ...) goes into the manifest so tools can list checkpoints
     without loading them. Raises CheckpointError (older checkpoints untouched) if anything fails.
     """
-    files.history_dir.mkdir(parents=True, exist_ok=True)
-    for leftover in files.history_dir.glob("*.tmp"):  # from a save that was killed
-        leftover.unlink()
     path = files.history_file(step)
+    written = False  # True while `path` holds this save's bytes but nothing points at them yet
     try:
+        files.history_dir.mkdir(parents=True, exist_ok=True)
+        for leftover in files.history_dir.glob("*.tmp"):  # from a save that was killed
+            leftover.unlink()
         size, sha = atomic_write(path, lambda f: torch.save(state, f))
+        written = True
         manifest = {"file": path.name, "size": size, "sha256": sha, "step": step, **info}
         _pause_for_tests(0.25)
         atomic_write_text(manifest_path(path), json.dumps(manifest, indent=1) + "\n")
         problem = verify(path)
         if problem:
-            raise CheckpointError(f"checkpoint {path} failed verification right after writing: {problem}")
+            raise CheckpointError(f"it failed verification right after writing: {problem}")
         _pause_for_tests(0.25)
         link_tmp = files.resume_link.with_name(files.resume_link.name + ".tmp")
         link_tmp.unlink(missing_ok=True)
         os.link(path, link_tmp)  # no second copy on disk: both names share the same bytes
         os.replace(link_tmp, files.resume_link)
+        written = False  # the resume link names it now: it is the newest checkpoint, keep it
         atomic_write_text(files.latest_pointer, f"{files.history_dir.name}/{path.name}\n")
-    except OSError as error:
+    except (OSError, CheckpointError) as error:
+        if written:  # a half-finished save: give its space back and leave no unverifiable newest file
+            with contextlib.suppress(OSError):  # best effort; the error below is what matters
+                path.unlink(missing_ok=True)
+                manifest_path(path).unlink(missing_ok=True)
         raise CheckpointError(
             f"could not write checkpoint {path}: {error}. Older checkpoints in {files.history_dir} "
             f"are untouched; free space or fix permissions, then resume with --from_resume 1") from error
-    rotate(files, keep_last)
+    try:
+        rotate(files, keep_last)
+    except OSError as error:
+        raise CheckpointError(f"checkpoint {path} is saved and verified, but older ones in {files.history_dir} "
+                              f"could not be deleted: {error}") from error
     return path
 
 
@@ -228,6 +251,12 @@ def newest_good_checkpoint(files: RunFiles, log: Callable[[str], None]) -> tuple
     """
     candidates = files.history()
     if not candidates:
+        return None
+    if not files.resume_link.exists() and not any(manifest_path(p).is_file() for p in candidates):
+        # No save ever completed here (no manifest, no resume link): these are debris of a first
+        # save that was killed. Starting fresh loses nothing; refusing would leave the run stuck.
+        log(f"ignoring {', '.join(p.name for p in candidates)} in {files.history_dir}: no manifest, "
+            f"the first save was interrupted before it completed")
         return None
     tried = []
     for path in candidates:
