@@ -56,7 +56,19 @@ class ConsoleLogger(TrainerCallback):
         print(f"validation at step {m['step']}: val/loss {m['val/loss']:.4f}", flush=True)
 
 
-class WandbLogger(TrainerCallback):
+class TrackerLogger(TrainerCallback):
+    """Sends metrics to a tracker run (wandb and SwanLab share this API: `log(dict, step=)`)."""
+
+    run = None
+
+    def on_log(self, run, metrics: dict) -> None:
+        self.run.log({f"train/{k}": v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
+
+    def on_validation_end(self, run, metrics: dict) -> None:
+        self.run.log({"val/loss": metrics["val/loss"]}, step=metrics["step"])
+
+
+class WandbLogger(TrackerLogger):
     """Logs to Weights & Biases; resumes the same run id after --from_resume."""
 
     def __init__(self, project: str, name: str, config: dict, run_id: str | None):
@@ -64,29 +76,17 @@ class WandbLogger(TrainerCallback):
         self.run = wandb.init(project=project, name=name, config=config, id=run_id,
                               resume="allow" if run_id else None)
 
-    def on_log(self, run, metrics: dict) -> None:
-        self.run.log({f"train/{k}": v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
-
-    def on_validation_end(self, run, metrics: dict) -> None:
-        self.run.log({"val/loss": metrics["val/loss"]}, step=metrics["step"])
-
     def on_train_end(self, run, status: str) -> None:
         self.run.finish(exit_code=0 if status in ("completed", "stopped") else 1)
 
 
-class SwanLabLogger(TrainerCallback):
+class SwanLabLogger(TrackerLogger):
     """Logs to SwanLab; resumes the same experiment id after --from_resume."""
 
     def __init__(self, project: str, name: str, config: dict, run_id: str | None):
         import swanlab
         self.run = swanlab.init(project=project, name=name, config=config, id=run_id,
                                 resume="allow" if run_id else None)
-
-    def on_log(self, run, metrics: dict) -> None:
-        self.run.log({f"train/{k}": v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
-
-    def on_validation_end(self, run, metrics: dict) -> None:
-        self.run.log({"val/loss": metrics["val/loss"]}, step=metrics["step"])
 
     def on_train_end(self, run, status: str) -> None:
         self.run.finish()
