@@ -99,8 +99,9 @@ def torchrun_command(nproc: int, flags: list) -> list:
 
 
 def job_flags(data: Path, run_dir: Path, epochs: int, batch_size: int, save_interval: int) -> list:
+    # Every output under run_dir: runs sharing a name must not share files (e.g. the status file).
     return ["--data_path", str(data), "--save_dir", str(run_dir / "out"), "--checkpoint_dir", str(run_dir / "ckpt"),
-            "--save_debug_train_output", str(run_dir / "trace.jsonl"), "--epochs", str(epochs),
+            "--metrics_dir", str(run_dir / "out"), "--save_debug_train_output", str(run_dir / "trace.jsonl"), "--epochs", str(epochs),
             "--batch_size", str(batch_size), "--save_interval", str(save_interval), "--log_interval", "1000",
             "--from_weight", "none", "--from_resume", "1"]
 
@@ -334,8 +335,9 @@ def kill_and_resume(make_command: MakeCommand, flags: list, env: dict, run_dir: 
             report(f"launch {number} finished training before it could be killed")
             break
         if launcher.returncode is not None:  # crashed on its own: a failure to survive, go on killing
+            errors = [line for line in log_text.splitlines() if "Error" in line] or ["no error line"]
             result.launch_failures.append(f"launch {number} exited with {launcher.returncode}: "
-                                          f"{(log_text.strip().splitlines() or ['no output'])[-1][:300]} (see {logs})")
+                                          f"{errors[0][:300]} (see {logs})")
             report(result.launch_failures[-1])
             continue
         after_s = time.time() - started

@@ -115,7 +115,11 @@ class _HashingWriter:
 
 
 def atomic_write(path: Path, write: Callable[[Any], None]) -> tuple[int, str]:
-    """Write `path` through a temp file, fsync, rename, fsync the directory; returns (size, sha256)."""
+    """Write `path` through a temp file, fsync, rename, fsync the directory; returns (size, sha256).
+
+    One writer per path: the temp name is fixed, so the leftover of a killed write is reused by the
+    next one instead of piling up (a unique name per process would leak one file per kill).
+    """
     tmp = path.with_name(path.name + ".tmp")
     writer = None
     try:
