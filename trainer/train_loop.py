@@ -11,6 +11,7 @@ however the batch is split across GPUs and micro-steps.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -145,6 +146,7 @@ def run_training(args, make_dataset) -> None:
         run.callbacks.fire("on_train_end", run, "failed")
         if isinstance(error, AnomalyStop):
             log(f"stopping on anomaly: {error}. The newest checkpoint in {args.checkpoint_dir} is from before it.")
+            release_before_teardown(run)
             cleanup_distributed(exit_code=3)
             sys.exit(3)
         raise
@@ -157,7 +159,7 @@ def run_training(args, make_dataset) -> None:
         log(f"stopped at step {run.global_step} ({reason}); checkpoint saved. To continue: {command}")
     else:
         log(f"training finished at step {run.global_step}; weights in {args.save_dir}")
-    run.model = None  # release DDP's reducer (it holds gloo/nccl work) before the process group goes
+    release_before_teardown(run)
     cleanup_distributed()
 
 
@@ -174,7 +176,7 @@ def make_callbacks(run: RunContext, tracker_ids: dict) -> list[cb.TrainerCallbac
     if "console" in loggers:
         callbacks.append(cb.ConsoleLogger())
     if "file" in loggers:
-        callbacks.append(MetricsFileWriter(args.metrics_dir, name))
+        callbacks.append(MetricsFileWriter(args.metrics_dir or args.save_dir, name))
     if "wandb" in loggers:
         callbacks.append(cb.WandbLogger(args.wandb_project, name, config, tracker_ids.get("wandb")))
         run.tracker_runs["wandb"] = callbacks[-1].run
@@ -182,6 +184,19 @@ def make_callbacks(run: RunContext, tracker_ids: dict) -> list[cb.TrainerCallbac
         callbacks.append(cb.SwanLabLogger(args.wandb_project, name, config, tracker_ids.get("swanlab")))
         run.tracker_runs["swanlab"] = callbacks[-1].run
     return callbacks
+
+
+def release_before_teardown(run: RunContext) -> None:
+    """Drop the DDP wrapper while the process group still exists.
+
+    DDP's reducer holds gloo/nccl work; destroyed after the group (by a late garbage collection,
+    or at exit) it can abort the process after a successful run. The stop handlers' closure
+    keeps `run` alive, so they are reset first, then cycles are collected now.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    run.model = None
+    gc.collect()
 
 
 def install_stop_handlers(run: RunContext) -> None:

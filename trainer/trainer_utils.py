@@ -73,7 +73,7 @@ def build_arg_parser(description: str, *, save_weight: str, from_weight: str, da
     a("--save_hf", type=int, default=0, choices=(0, 1), help="1: also write a Hugging Face export at each save")
     # Watching the run: metrics files, trackers, validation.
     a("--logger", default="console,file", help="any of console,file,wandb,swanlab, comma-separated")
-    a("--metrics_dir", default=str(REPO_ROOT / "out"), help="where {run_name}_metrics.jsonl and _status.json go")
+    a("--metrics_dir", default=None, help="where {run_name}_metrics.jsonl and _status.json go (default --save_dir)")
     a("--run_name", default=None, help="name of the metrics files and tracker run (default {weight}_{hidden})")
     a("--val_data", default=None, help="JSONL validation file in the training format")
     a("--eval_interval", type=int, default=100, help="optimizer steps between validations")
@@ -237,7 +237,7 @@ def lm_checkpoint(lm_config: LMConfig, weight: str = "full_sft", model=None, opt
         try:
             _write_checkpoint(files, lm_config, unwrap(model), optimizer, epoch, step, wandb, save_dir,
                               rng_states, **kwargs)
-        except checkpoint_io.CheckpointError as caught:
+        except Exception as caught:  # re-raised below, after telling the other ranks to stop too
             error = caught
     if dist.is_initialized():  # every rank must stop together if rank 0 could not save
         failed = [error is not None]
