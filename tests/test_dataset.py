@@ -2,6 +2,8 @@
 
 import json
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -206,3 +208,10 @@ def test_eval_questions_are_not_in_the_sft_training_set():
 def test_validation_text_is_not_in_the_pretraining_text():
     training = {r["text"] for r in read_records("pretrain_demo.jsonl")}
     assert not [r["text"] for r in read_records("val_demo.jsonl") if r["text"] in training]
+
+
+def test_committed_demo_data_is_what_the_generator_writes(tmp_path):
+    subprocess.run([sys.executable, str(DATA_DIR / "make_demo_data.py"), "--out_dir", str(tmp_path)],
+                   check=True, capture_output=True)
+    for name in ["pretrain_demo.jsonl", "val_demo.jsonl", "sft_demo.jsonl", "sft_demo_eval.jsonl"]:
+        assert (tmp_path / name).read_bytes() == (DATA_DIR / name).read_bytes(), name

@@ -59,7 +59,13 @@ def test_load_tokenizer_names_a_missing_special_token(tmp_path):
     assert "expected id 2" in str(excinfo.value)
 
 
-def test_train_tokenizer_script_writes_a_loadable_tokenizer(tmp_path):
+def run_train_tokenizer(corpus: Path, out: Path) -> None:
+    subprocess.run([sys.executable, str(REPO_ROOT / "trainer" / "train_tokenizer.py"),
+                    "--data", str(corpus), "--vocab_size", "300", "--out", str(out)],
+                   check=True, capture_output=True, cwd=out.parent)
+
+
+def test_train_tokenizer_script_writes_the_same_loadable_tokenizer_every_time(tmp_path):
     corpus = tmp_path / "corpus.jsonl"
     with open(corpus, "w", encoding="utf-8") as f:
         for i in range(50):
@@ -67,10 +73,9 @@ def test_train_tokenizer_script_writes_a_loadable_tokenizer(tmp_path):
                                ensure_ascii=False) + "\n")
         f.write(json.dumps({"conversations": [{"role": "user", "content": "2+2?"},
                                               {"role": "assistant", "content": "4"}]}) + "\n")
-    out = tmp_path / "tok" / "tokenizer.json"
-    subprocess.run([sys.executable, str(REPO_ROOT / "trainer" / "train_tokenizer.py"),
-                    "--data", str(corpus), "--vocab_size", "300", "--out", str(out)],
-                   check=True, capture_output=True, cwd=tmp_path)
-    tokenizer = load_tokenizer(out)
+    run_train_tokenizer(corpus, tmp_path / "first.json")
+    run_train_tokenizer(corpus, tmp_path / "second.json")
+    tokenizer = load_tokenizer(tmp_path / "first.json")
     assert 259 <= tokenizer.get_vocab_size() <= 300  # 256 bytes + 3 special tokens + merges
     assert tokenizer.decode(tokenizer.encode("the cat 猫").ids) == "the cat 猫"
+    assert (tmp_path / "first.json").read_bytes() == (tmp_path / "second.json").read_bytes()
