@@ -11,11 +11,11 @@ python dataset/make_demo_data.py
 
 echo "== 2. pretrain"
 python trainer/train_pretrain.py "${SIZE[@]}" --max_seq_len 128 --batch_size 32 --learning_rate 2e-3 \
-    --epochs 1 --log_interval 20 --save_interval 100 --val_data dataset/val_demo.jsonl --eval_interval 100
+    --epochs 3 --log_interval 50 --save_interval 200 --val_data dataset/val_demo.jsonl --eval_interval 200
 
 echo "== 3. supervised fine-tuning (starts from out/pretrain_128.pth)"
 python trainer/train_full_sft.py "${SIZE[@]}" --max_seq_len 128 --batch_size 32 --learning_rate 1e-3 \
-    --epochs 2 --log_interval 20 --save_interval 100
+    --epochs 3 --log_interval 50 --save_interval 200
 
 echo "== 4. exact-match accuracy on held-out questions"
 python eval_model.py --weight full_sft "${SIZE[@]}" --eval dataset/sft_demo_eval.jsonl
