@@ -26,6 +26,7 @@ import contextlib
 import hashlib
 import json
 import os
+import pickle
 import re
 import time
 from dataclasses import dataclass
@@ -239,7 +240,11 @@ def load_trusted(path: Path) -> dict:
     """torch.load with weights_only=True: tensors and plain types only, never code from a pickle."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # UnpicklingError, zip errors, EOF: all mean "do not trust this file"
+    except pickle.UnpicklingError as error:
+        # torch's own message goes on to explain how to load the file unsafely; we never do that.
+        raise CheckpointError(f"{path} is refused: it holds objects other than tensors and plain types, "
+                              f"and unpickling them could run code (weights_only=True)") from error
+    except Exception as error:  # zip errors, EOF, bad magic: all mean "do not trust this file"
         raise CheckpointError(f"{path} cannot be loaded safely: {type(error).__name__}: "
                               f"{str(error).splitlines()[0] if str(error) else ''}") from error
     if not isinstance(state, dict):
