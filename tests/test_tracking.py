@@ -8,14 +8,14 @@ LevelDB-style logs of protobuf records (https://github.com/google/leveldb/blob/m
 from __future__ import annotations
 
 import collections
-import os
-import signal
 import struct
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
+
+from scripts.soak_kill import kill_job
 import torch
 
 from conftest import TINY_MODEL, child_env, launch_command, read_trace, train
@@ -59,41 +59,16 @@ def test_two_rank_run_logs_each_step_once_with_the_global_loss(tmp_path, pretrai
     assert status["anomaly"] is None and status["resumed_from"] is None
 
 
-def kill_torchrun_job(launcher: subprocess.Popen) -> None:
-    """SIGKILL the launcher and its workers, like a machine losing power.
-
-    torchrun starts each worker in a session of its own, so killing the launcher's process group
-    would leave the workers training. Freeze them all first, so none takes another step meanwhile.
-    """
-    workers = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True,
-                                                    text=True).stdout.split()]
-    assert len(workers) == 2, f"expected two workers under torchrun, found {workers}"
-    for sig in (signal.SIGSTOP, signal.SIGKILL):
-        for pid in [launcher.pid, *workers]:
-            os.kill(pid, sig)
-    launcher.wait(timeout=60)
-    deadline = time.time() + 30
-    while any(is_running(pid) for pid in workers) and time.time() < deadline:
-        time.sleep(0.05)
-
-
-def is_running(pid: int) -> bool:
-    """Alive and not a zombie (an orphaned worker may wait a moment to be reaped)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_metrics_after_sigkill_and_resume_have_each_step_once_and_a_resume_event(tmp_path, pretrain_data):
     args = run_args(tmp_path, pretrain_data, "--save_interval", "2")
     with open(tmp_path / "killed_run.log", "w") as log:
         job = subprocess.Popen(launch_command("train_pretrain.py", 2, [*TINY_MODEL, *args]), cwd=tmp_path,
-                               env=child_env(TRAINER_TEST_STEP_DELAY_S=0.3), stdout=log, stderr=subprocess.STDOUT)
+                               env=child_env(TRAINER_TEST_STEP_DELAY_S=0.3), stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True)
         deadline = time.time() + 120
         while len(train_records(tmp_path)) < 5 and job.poll() is None and time.time() < deadline:
             time.sleep(0.05)
-        kill_torchrun_job(job)
+        kill_job(job)  # SIGKILL the launcher and both workers, like a machine losing power
     logged_before_kill = [r["step"] for r in train_records(tmp_path)]
     saved_step = resume_file(tmp_path)["global_step"]
     assert 2 <= saved_step < max(logged_before_kill) < 10, (

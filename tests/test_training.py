@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 
-import pytest
 import torch
 
 from conftest import REPO, TINY_MODEL, child_env, free_port, read_trace, train
