@@ -183,9 +183,9 @@ def save_verified(files: RunFiles, state: dict, step: int, keep_last: int, info:
         atomic_write_text(files.latest_pointer, f"{files.history_dir.name}/{path.name}\n")
     except (OSError, CheckpointError) as error:
         if written:  # a half-finished save: give its space back and leave no unverifiable newest file
-            with contextlib.suppress(OSError):  # best effort; the error below is what matters
-                path.unlink(missing_ok=True)
-                manifest_path(path).unlink(missing_ok=True)
+            for leftover in (path, manifest_path(path)):
+                with contextlib.suppress(OSError):  # best effort; the error below is what matters
+                    leftover.unlink(missing_ok=True)
         raise CheckpointError(
             f"could not write checkpoint {path}: {error}. Older checkpoints in {files.history_dir} "
             f"are untouched; free space or fix permissions, then resume with --from_resume 1") from error

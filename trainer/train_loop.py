@@ -270,7 +270,8 @@ def train_step(run: RunContext, micro_batches: list, window: int) -> tuple[str, 
     if dist.is_initialized():
         dist.all_reduce(total_tokens)
     # DDP averages gradients over ranks, so scale by world_size to get a sum over all tokens / total.
-    loss_scale = run.dist.world_size / max(total_tokens.item(), 1.0)
+    global_tokens = max(total_tokens.item(), 1.0)
+    loss_scale = run.dist.world_size / global_tokens
     inject = run.guard.injected_loss_factor(step)
     loss_sum = torch.zeros((), device=device)
     trained = []
@@ -290,12 +291,14 @@ def train_step(run: RunContext, micro_batches: list, window: int) -> tuple[str, 
     run.scaler.unscale_(run.optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
     # One small all-reduce: the global loss, whether any rank was asked to stop, tokens processed.
-    shared = torch.tensor([loss_sum.item(), 1.0 if run.stop_signal else 0.0,
+    local_loss_sum, grad_norm = loss_sum.item(), grad_norm.item()  # one device sync per step
+    shared = torch.tensor([local_loss_sum, 1.0 if run.stop_signal else 0.0,
                            sum(x.numel() for _, x, _ in micro_batches)], dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(shared)
-    global_loss = shared[0].item() / max(total_tokens.item(), 1.0)
-    action, reason = run.guard.verdict(step, global_loss, grad_norm.item(), not run.scaler.is_enabled())
+    loss_total, stop_flag, tokens = shared.tolist()
+    global_loss = loss_total / global_tokens
+    action, reason = run.guard.verdict(step, global_loss, grad_norm, not run.scaler.is_enabled())
     if reason:
         run.log(f"anomaly: {reason} (--on_anomaly {args.on_anomaly}: {action})")
         run.callbacks.fire("on_anomaly", run, step, reason)
@@ -304,12 +307,12 @@ def train_step(run: RunContext, micro_batches: list, window: int) -> tuple[str, 
     run.scaler.update()
     run.optimizer.zero_grad(set_to_none=True)
     record = {"step": step, "epoch": run.epoch, "rank": run.dist.rank, "world_size": run.dist.world_size,
-              "samples": trained if action == "apply" else [], "loss": loss_sum.item() / max(local_tokens, 1),
-              "loss_sum": loss_sum.item(), "local_tokens": local_tokens, "global_loss": global_loss,
-              "grad_norm": grad_norm.item(), "lr": lr}
+              "samples": trained if action == "apply" else [], "loss": local_loss_sum / max(local_tokens, 1),
+              "loss_sum": local_loss_sum, "local_tokens": local_tokens, "global_loss": global_loss,
+              "grad_norm": grad_norm, "lr": lr}
     if action != "apply":
         record.update(skipped=True, skipped_samples=trained, anomaly=reason)
-    return action, {**record, "stop_requested": shared[1].item() > 0, "tokens": shared[2].item()}
+    return action, {**record, "stop_requested": stop_flag > 0, "tokens": tokens}
 
 
 def skipped_record(run: RunContext, micro_batches: list) -> dict:
