@@ -21,6 +21,12 @@ from contextlib import nullcontext
 
 import torch
 
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: the repository, not this folder, goes first on the import path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 from model.model import CausalLM, LMConfig
 
 

@@ -23,6 +23,9 @@ from pathlib import Path
 
 import torch
 
+if __package__ in (None, ""):  # run as a file: the repository, not this folder, goes first on the import path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 from trainer.checkpoint_io import CheckpointError, RunFiles, load_trusted, manifest_path, sha256_of, verify
 
 LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")

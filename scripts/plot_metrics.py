@@ -17,7 +17,10 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from trainer.monitor import is_train_record, read_metrics
+if __package__ in (None, ""):  # run as a file: the repository, not this folder, goes first on the import path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from trainer.metrics_files import is_train_record, read_metrics
 
 METRICS_SUFFIX = "_metrics.jsonl"
 

@@ -3,8 +3,8 @@
     python -m scripts.soak_kill --kills 50 --seed 0 --workdir /tmp/soak --nproc 2
 
 The job trains a tiny model on the CPU with `--from_resume 1` (it starts fresh when there is no
-checkpoint yet). The test hooks slow it down (TRAINER_TEST_STEP_DELAY_S after each step,
-TRAINER_TEST_SAVE_DELAY_S spread over the stages of a save), so many kills land while a checkpoint
+checkpoint yet). tests/fault_injection/sitecustomize.py slows it down from the outside (FAULT_STEP_DELAY_S after each step,
+FAULT_SAVE_DELAY_S spread over the stages of a save), so many kills land while a checkpoint
 is being written. After the last kill the job runs to the end. Then:
 
 - exactly once: every sample of every epoch was trained exactly once. Steps trained after the last
@@ -35,10 +35,14 @@ from typing import Callable
 
 import torch
 
-from trainer.checkpoint_io import SAVE_DELAY_ENV, RunFiles, manifest_path
-from trainer.train_loop import STEP_DELAY_ENV
+if __package__ in (None, ""):  # run as a file: the repository, not this folder, goes first on the import path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from trainer.checkpoint_io import RunFiles, manifest_path
+from trainer.trainer_utils import REPO_ROOT
+
+# Slows the job down from outside the library (see its docstring).
+FAULT_INJECTION_DIR = REPO_ROOT / "tests" / "fault_injection"
 # A model small enough that a 2-process gloo job takes seconds on 2 CPU cores.
 TINY_MODEL = ["--hidden_size", "32", "--num_hidden_layers", "2", "--num_attention_heads", "4",
               "--num_key_value_heads", "2", "--max_seq_len", "48", "--num_workers", "0", "--device", "cpu"]
@@ -379,7 +383,9 @@ def soak(make_command: MakeCommand, workdir: Path, data: Path, *, kills: int, se
     run_to_completion(make_command(job_flags(data, reference, epochs, batch_size, save_interval)), base_env,
                       reference / "logs" / "reference.log", 600, result)
     report(f"uninterrupted reference run done in {time.time() - start:.1f} s")
-    slow = dict(base_env, **{SAVE_DELAY_ENV: str(save_delay_s), STEP_DELAY_ENV: str(step_delay_s)})
+    # The delays are injected from outside the library: sitecustomize.py wraps its functions at import.
+    slow = dict(base_env, FAULT_SAVE_DELAY_S=str(save_delay_s), FAULT_STEP_DELAY_S=str(step_delay_s),
+                PYTHONPATH=os.pathsep.join(filter(None, [str(FAULT_INJECTION_DIR), base_env.get("PYTHONPATH")])))
     kill_and_resume(make_command, job_flags(data, killed, epochs, batch_size, save_interval), slow, killed,
                     kills, seed, max_wait_s, report=report, result=result)
     check_run(result, killed, reference, num_samples, epochs)

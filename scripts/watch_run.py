@@ -16,8 +16,11 @@ import sys
 import time
 from pathlib import Path
 
+if __package__ in (None, ""):  # run as a file: the repository, not this folder, goes first on the import path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 from trainer.callbacks import format_duration
-from trainer.monitor import is_train_record, list_runs, metrics_path, read_metrics, read_status, status_path
+from trainer.metrics_files import is_train_record, list_runs, metrics_path, read_metrics, read_status, status_path
 
 STALE_AFTER_S = 300  # a running job that has not written for this long may be dead or hung
 BAR_WIDTH = 30

@@ -17,11 +17,23 @@ TINY_MODEL = ["--hidden_size", "32", "--num_hidden_layers", "2", "--num_attentio
               "--num_key_value_heads", "2", "--max_seq_len", "48", "--num_workers", "0", "--device", "cpu"]
 
 
+FAULT_INJECTION_DIR = REPO / "tests" / "fault_injection"
+
+
 def child_env(**extra) -> dict:
+    """The environment of a training child: one thread per rank, trackers offline, nothing on PYTHONPATH
+    (the scripts must find the repository by themselves, as after a plain clone)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", SWANLAB_MODE="offline",
                HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env.pop("PYTHONPATH", None)
     env.update({k: str(v) for k, v in extra.items()})
     return env
+
+
+def slowed_env(step_delay_s: float = 0.0, save_delay_s: float = 0.0) -> dict:
+    """child_env for a job slowed from outside (tests/fault_injection/sitecustomize.py), so a test can
+    signal or kill it mid-run."""
+    return child_env(PYTHONPATH=FAULT_INJECTION_DIR, FAULT_STEP_DELAY_S=step_delay_s, FAULT_SAVE_DELAY_S=save_delay_s)
 
 
 def launch_command(script: str, nproc: int | None, args: list[str]) -> list[str]:

@@ -16,7 +16,7 @@ import torch
 
 from conftest import read_trace, train
 
-from trainer.monitor import read_status, status_path
+from trainer.metrics_files import read_status, status_path
 
 
 def run_args(tmp_path, data, *extra) -> list[str]:

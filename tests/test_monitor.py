@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainer.monitor import AnomalyDetector, MetricsFileWriter, is_train_record, read_metrics, read_status
+from trainer.anomaly import AnomalyDetector
+from trainer.metrics_files import MetricsFileWriter, is_train_record, read_metrics, read_status
 
 
 # ---- AnomalyDetector ----

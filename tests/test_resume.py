@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from conftest import child_env, launch_command, read_trace, train, TINY_MODEL
+from conftest import TINY_MODEL, child_env, launch_command, read_trace, slowed_env, train
 
 
 def run_args(tmp_path, data, trace, *extra) -> list[str]:
@@ -121,7 +121,7 @@ def test_sigterm_saves_exits_zero_and_resume_keeps_each_sample_once(tmp_path, pr
     trace = tmp_path / "trace.jsonl"
     args = run_args(tmp_path, pretrain_data, trace, "--batch_size", "1", "--epochs", "1")
     launcher = subprocess.Popen(launch_command("train_pretrain.py", 2, [*TINY_MODEL, *args]), cwd=tmp_path,
-                                env=child_env(TRAINER_TEST_STEP_DELAY_S=0.2), stdout=subprocess.PIPE,
+                                env=slowed_env(step_delay_s=0.2), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 120
     while (not trace.exists() or len(read_trace(trace)) < 6) and time.time() < deadline:

@@ -12,7 +12,7 @@ import pytest
 
 from scripts.plot_metrics import plot_metrics
 from scripts.watch_run import render_summary
-from trainer.monitor import MetricsFileWriter, read_metrics
+from trainer.metrics_files import MetricsFileWriter, read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -18,9 +18,9 @@ import pytest
 from scripts.soak_kill import kill_job
 import torch
 
-from conftest import TINY_MODEL, child_env, launch_command, read_trace, train
+from conftest import TINY_MODEL, child_env, launch_command, read_trace, slowed_env, train
 
-from trainer.monitor import is_train_record, metrics_path, read_metrics, read_status, status_path
+from trainer.metrics_files import is_train_record, metrics_path, read_metrics, read_status, status_path
 
 RUN = "pretrain_32"
 
@@ -63,7 +63,7 @@ def test_metrics_after_sigkill_and_resume_have_each_step_once_and_a_resume_event
     args = run_args(tmp_path, pretrain_data, "--save_interval", "2")
     with open(tmp_path / "killed_run.log", "w") as log:
         job = subprocess.Popen(launch_command("train_pretrain.py", 2, [*TINY_MODEL, *args]), cwd=tmp_path,
-                               env=child_env(TRAINER_TEST_STEP_DELAY_S=0.3), stdout=log, stderr=subprocess.STDOUT,
+                               env=slowed_env(step_delay_s=0.3), stdout=log, stderr=subprocess.STDOUT,
                                start_new_session=True)
         deadline = time.time() + 120
         while len(train_records(tmp_path)) < 5 and job.poll() is None and time.time() < deadline:

@@ -28,15 +28,12 @@ import json
 import os
 import pickle
 import re
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-# Test-only: seconds to pause inside a save, so a test can SIGKILL a job in the middle of writing.
-SAVE_DELAY_ENV = "TRAINER_TEST_SAVE_DELAY_S"
 HISTORY_NAME = re.compile(r"^step_(\d{8})\.pth$")
 
 
@@ -78,12 +75,6 @@ def manifest_path(checkpoint: Path) -> Path:
     return checkpoint.with_suffix(".json")
 
 
-def _pause_for_tests(fraction: float) -> None:
-    delay = float(os.environ.get(SAVE_DELAY_ENV, "0") or 0)
-    if delay > 0:
-        time.sleep(delay * fraction)
-
-
 def fsync_dir(directory: Path) -> None:
     """Make a rename inside `directory` durable (the rename lives in the directory's own data)."""
     fd = os.open(directory, os.O_RDONLY)
@@ -101,8 +92,6 @@ class _HashingWriter:
         self.error: OSError | None = None
 
     def write(self, data) -> int:
-        if self.size == 0:
-            _pause_for_tests(0.25)  # a kill here leaves a truncated temp file
         self.sha256.update(data)
         self.size += len(data)
         try:
@@ -129,7 +118,6 @@ def atomic_write(path: Path, write: Callable[[Any], None]) -> tuple[int, str]:
             write(writer)
             raw.flush()
             os.fsync(raw.fileno())  # the bytes must be on disk before the name points at them
-        _pause_for_tests(0.25)
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except BaseException as error:
@@ -169,12 +157,10 @@ def save_verified(files: RunFiles, state: dict, step: int, keep_last: int, info:
         size, sha = atomic_write(path, lambda f: torch.save(state, f))
         written = True
         manifest = {"file": path.name, "size": size, "sha256": sha, "step": step, **info}
-        _pause_for_tests(0.25)
         atomic_write_text(manifest_path(path), json.dumps(manifest, indent=1) + "\n")
         problem = verify(path)
         if problem:
             raise CheckpointError(f"it failed verification right after writing: {problem}")
-        _pause_for_tests(0.25)
         link_tmp = files.resume_link.with_name(files.resume_link.name + ".tmp")
         link_tmp.unlink(missing_ok=True)
         os.link(path, link_tmp)  # no second copy on disk: both names share the same bytes

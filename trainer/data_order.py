@@ -43,6 +43,16 @@ def steps_in_epoch(num_samples: int, global_batch: int) -> int:
     return steps_left(num_samples, 0, global_batch)
 
 
+def step_in_epoch(num_samples: int, samples_consumed: int, global_batch: int) -> int:
+    """The step label of a cursor: optimizer steps of `global_batch` that reach `samples_consumed`.
+
+    Exact for any counts, because it is derived from the cursor (the data position) rather than
+    rescaled from another run's step; on a world-size change it equals the reference design's
+    `step * old_ws // new_ws` whenever that division is exact.
+    """
+    return steps_in_epoch(num_samples, global_batch) - steps_left(num_samples, samples_consumed, global_batch)
+
+
 class SkipBatchSampler(Sampler[list[int]]):
     """Yields this rank's micro-batches for the rest of one epoch, starting at a sample cursor.
 

@@ -1,20 +1,22 @@
-"""What a resume must restore and what it must refuse.
+"""Resuming a run: what it restores, and what it refuses.
 
 A resumed run continues bit-identically only if everything that shapes the next step is the
 same: the weights (FP32), the optimizer moments, every random number generator, the data
-position, and the settings that decide which samples form a step. This module captures the
-random state, fingerprints the data file, and compares a checkpoint's settings with the current
-ones — refusing a change it cannot honour exactly, and saying what it adapted otherwise.
+position, and the settings that decide which samples form a step. The load path is
+
+    train_loop.run_training -> resume_if_asked -> trainer_utils.lm_checkpoint -> checkpoint_io
+
+`resume_if_asked` compares the checkpoint's settings with the current ones, refusing a change it
+cannot honour exactly (with a diff naming each field) and saying what it adapted otherwise, then
+puts the weights, optimizer, RNG and data cursor back with `restore_training_state`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import random
-from typing import Any
 
-import numpy as np
-import torch
+from trainer.data_order import step_in_epoch
+from trainer.trainer_utils import lm_checkpoint, load_initial_weights, restore_rng_state, run_name, unwrap
 
 # Settings that change which samples form a step or how the run's LR curve looks. Refused when
 # they differ on resume (world size may change; batch geometry is checked separately).
@@ -23,33 +25,6 @@ FIXED_TRAINING_ARGS = ("epochs", "seed", "max_seq_len", "learning_rate", "warmup
 
 class ResumeMismatch(ValueError):
     """The checkpoint was made for another model, data file or training setup."""
-
-
-# ---- random state -------------------------------------------------------------------------
-
-def capture_rng_state() -> dict:
-    """Every RNG this process uses, as tensors and plain types (loadable with weights_only=True)."""
-    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    py_version, py_state, py_gauss = random.getstate()
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "numpy": {"kind": np_kind, "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
-                  "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss)},
-        "python": {"version": py_version, "state": torch.tensor(py_state, dtype=torch.int64),
-                   "gauss_next": py_gauss},
-    }
-
-
-def restore_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    np_state = state["numpy"]
-    np.random.set_state((np_state["kind"], np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
-                         np_state["has_gauss"], np_state["cached_gaussian"]))
-    py_state = state["python"]
-    random.setstate((py_state["version"], tuple(py_state["state"].tolist()), py_state["gauss_next"]))
 
 
 # ---- data fingerprint ---------------------------------------------------------------------
@@ -108,19 +83,51 @@ def check_resume_compatible(saved: dict, lm_config: dict, fingerprint: dict, tra
     return notes
 
 
-def rng_state_for_rank(saved_states: list[dict], rank: int, world_size: int) -> dict | None:
-    """This rank's saved RNG state when the world size is unchanged, else None (reseed instead)."""
-    if len(saved_states) != world_size:
-        return None
-    return saved_states[rank]
+# ---- restoring ----------------------------------------------------------------------------
+
+def load_checkpoint_state(run, resume_path: str | None = None) -> dict | None:
+    """The newest good checkpoint of this run (or `resume_path`), its step label for this geometry."""
+    return lm_checkpoint(run.lm_config, weight=run.args.save_weight, checkpoint_dir=run.args.checkpoint_dir,
+                         resume_path=resume_path, num_samples=len(run.dataset), global_batch=run.global_batch,
+                         log=run.log)
 
 
-def plain(value: Any) -> Any:
-    """Arguments as plain types for the checkpoint (weights_only loading accepts only those)."""
-    if isinstance(value, dict):
-        return {str(k): plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)
+def resume_if_asked(run) -> dict:
+    """Restore a checkpoint into `run` when --from_resume/--resume_path ask; returns tracker ids."""
+    args = run.args
+    if not args.from_resume and args.resume_path is None:
+        return {}
+    state = load_checkpoint_state(run, args.resume_path)
+    if state is None:
+        run.log(f"--from_resume 1: no checkpoint of {run_name(args.save_weight, run.lm_config)} in "
+                f"{args.checkpoint_dir}; starting fresh")
+        load_initial_weights(run.model, args.from_weight, args.save_dir, run.lm_config, run.log)
+        return {}
+    for note in check_resume_compatible(state, run.lm_config.to_dict(), run.fingerprint, run.train_args()):
+        run.log(f"resume: {note}")
+    rng_restored = restore_training_state(run, state)
+    run.guard.load_state_dict(state["anomaly"])
+    old_args = state["train_args"]
+    old_batch = old_args["batch_size"] * state["world_size"] * old_args["accumulation_steps"]
+    old_step = step_in_epoch(len(run.dataset), run.samples_consumed, old_batch)
+    old_ws, new_ws = state["world_size"], run.dist.world_size
+    change = f"world size {old_ws} -> {new_ws}: " if old_ws != new_ws else ""
+    run.log(f"resumed from {state['resumed_from']}: {change}epoch step {old_step} -> {state['step']}, resuming at "
+            f"sample {run.samples_consumed} of epoch {run.epoch + 1} (exact; global step {run.global_step}"
+            f"{', RNG restored' if rng_restored else ', RNG reseeded for the new world size'})")
+    return state["tracker_ids"]
+
+
+def restore_training_state(run, state: dict) -> bool:
+    """Load weights, optimizer, scaler, cursor and (same world size only) RNG; True if RNG restored."""
+    unwrap(run.model).load_state_dict(state["model"], strict=True)
+    run.optimizer.load_state_dict(state["optimizer"])
+    if state["scaler"] is not None:
+        run.scaler.load_state_dict(state["scaler"])
+    run.epoch, run.samples_consumed = state["epoch"], state["samples_consumed"]
+    run.global_step = state["global_step"]
+    # Each rank's RNG continues only where it existed; on another world size the ranks were reseeded.
+    same_world = len(state["rng"]) == run.dist.world_size
+    if same_world:
+        restore_rng_state(state["rng"][run.dist.rank])
+    return same_world

@@ -11,9 +11,15 @@ Writes out/full_sft_{hidden}.pth and checkpoints/full_sft_{hidden}_*. The loop i
 pretraining and lives in trainer/train_loop.py.
 """
 
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: the repository, not this folder, goes first on the import path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 from dataset.lm_dataset import SFTDataset
 from trainer.train_loop import run_training
-from trainer.trainer_utils import build_arg_parser
+from trainer.flags import build_arg_parser
 
 
 def main() -> None:

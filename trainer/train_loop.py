@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import os
+import shlex
 import signal
 import sys
 import time
@@ -25,21 +26,19 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from dataset.lm_dataset import load_tokenizer
+from model.hf import export_hf
 from model.model import CausalLM
-from scripts.export_hf import export_hf
+from model.tokenizer import load_tokenizer
 from trainer import callbacks as cb
-from trainer.data_order import IndexedDataset, SkipBatchSampler, epoch_order, steps_in_epoch, steps_left
-from trainer.monitor import MetricsFileWriter
-from trainer.restore import load_initial_weights, resume_if_asked, roll_back
-from trainer.resume import FIXED_TRAINING_ARGS, data_fingerprint
-from trainer.trainer_utils import (DistInfo, Logger, cleanup_distributed, flops_per_token, get_lr,
-                                   init_distributed, lm_checkpoint, lm_config_from_args, peak_flops,
-                                   resolve_accumulation, run_name, setup_seed, unwrap)
-from trainer.anomaly_guard import AnomalyGuard, AnomalyStop, validation_loss
-
-# Test-only: seconds to sleep after each step, so a test can signal a run while it is training.
-STEP_DELAY_ENV = "TRAINER_TEST_STEP_DELAY_S"
+from trainer.anomaly import AnomalyGuard, AnomalyStop, StepAction, install_debug_injection
+from trainer.data_order import IndexedDataset, SkipBatchSampler, epoch_order, step_in_epoch, steps_in_epoch, steps_left
+from trainer.flags import lm_config_from_args
+from trainer.metrics_files import MetricsFileWriter
+from trainer.resume import (FIXED_TRAINING_ARGS, data_fingerprint, load_checkpoint_state, restore_training_state,
+                            resume_if_asked)
+from trainer.trainer_utils import (DistInfo, Logger, cleanup_distributed, flops_per_token, get_lr, init_distributed,
+                                   lm_checkpoint, load_initial_weights, peak_flops, resolve_accumulation, run_name,
+                                   setup_seed, unwrap, validation_loss)
 
 
 @dataclass
@@ -85,6 +84,17 @@ class RunContext:
                 **{k: getattr(a, k) for k in FIXED_TRAINING_ARGS}}
 
 
+@dataclass
+class StepResult:
+    """What one optimizer step did: the loop's decision (`action`) and the trace record it logs."""
+
+    action: StepAction
+    record: dict          # the --save_debug_train_output line: samples, losses, grad norm, lr
+    tokens: int = 0       # input tokens of the global batch, for tokens/s
+    stop_requested: bool = False
+    anomaly: str = ""
+
+
 def run_training(args, make_dataset) -> None:
     """Train with `args` on `make_dataset(data_path, tokenizer, max_seq_len)`."""
     # 1. Distributed init: one process, or one per GPU/CPU rank under torchrun.
@@ -111,13 +121,13 @@ def run_training(args, make_dataset) -> None:
     # 5. Model and optimizer.
     model = CausalLM(lm_config)
     if not args.from_resume and args.resume_path is None:
-        load_initial_weights(model, args, lm_config, log)
+        load_initial_weights(model, args.from_weight, args.save_dir, lm_config, log)
     model.to(dist_info.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.01, fused=use_cuda)
-    guard = AnomalyGuard(args.on_anomaly, args.patience, args.max_rollbacks, args.rollback_lr_factor,
-                         args.debug_inject)
+    guard = AnomalyGuard(args.on_anomaly, args.patience, args.max_rollbacks, args.rollback_lr_factor)
     run = RunContext(args, dist_info, log, lm_config, dataset, model, optimizer, scaler, autocast,
                      accumulation, global_batch, data_fingerprint(dataset.source), guard, val_dataset)
+    install_debug_injection(model, args.debug_inject, current_step=lambda: run.global_step + 1)
     log(f"{lm_config.hidden_size}x{lm_config.num_hidden_layers} model, {unwrap(model).num_parameters() / 1e6:.2f}M "
         f"params; {len(dataset)} samples; global batch {global_batch} = {args.batch_size} x "
         f"{dist_info.world_size} ranks x {accumulation} accumulation; {run.steps_remaining()} steps")
@@ -155,12 +165,28 @@ def run_training(args, make_dataset) -> None:
     run.callbacks.fire("on_train_end", run, status)
     if status == "stopped":
         reason = run.stop_signal or f"--max_steps {args.max_steps} reached"
-        command = " ".join(sys.argv) + ("" if args.from_resume else " --from_resume 1")
-        log(f"stopped at step {run.global_step} ({reason}); checkpoint saved. To continue: {command}")
+        log(f"stopped at step {run.global_step} ({reason}); checkpoint saved. To continue: "
+            f"{continue_command(sys.argv, dist_info.world_size)}")
     else:
         log(f"training finished at step {run.global_step}; weights in {args.save_dir}")
     release_before_teardown(run)
     cleanup_distributed()
+
+
+def continue_command(argv: list[str], world_size: int) -> str:
+    """The command that resumes this run, ready to paste: `python ...` or `torchrun ...`, with --from_resume 1."""
+    args = list(argv[1:])
+    if "--from_resume" in args[:-1]:
+        args[args.index("--from_resume") + 1] = "1"
+    else:
+        args += ["--from_resume", "1"]
+    if "LOCAL_RANK" not in os.environ:
+        launcher = ["python"]
+    else:  # the same torchrun layout; on several nodes, add your rendezvous flags as before
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        nodes = ["--nnodes", str(world_size // per_node)] if world_size > per_node else []
+        launcher = ["torchrun", *nodes, "--nproc_per_node", str(per_node)]
+    return shlex.join(launcher + [argv[0]] + args)
 
 
 def make_callbacks(run: RunContext, tracker_ids: dict) -> list[cb.TrainerCallback]:
@@ -223,107 +249,123 @@ def train_epoch(run: RunContext) -> str:
         micro_batches = [next(batches) for _ in range(sampler.micro_steps_per_step(step_in_call))]
         run.callbacks.fire("on_step_begin", run, run.global_step + 1)
         if run.guard.should_skip(run.epoch, run.samples_consumed):
-            action, record = "skipped", skipped_record(run, micro_batches)
+            result = skip_window(run, micro_batches)
         else:
-            action, record = train_step(run, micro_batches, window)
-        if action == "rollback":
-            roll_back(run, run.epoch, run.samples_consumed, record["anomaly"])
-            run.callbacks.fire("on_rollback", run, run.global_step)
+            result = train_step(run, micro_batches, window)
+        if result.action == StepAction.ROLLBACK:
+            roll_back(run, result.anomaly)
             return "rolled back"
-        if action == "stop":
-            raise AnomalyStop(record["anomaly"])
-        stop_requested = record.pop("stop_requested")
-        run.meter["tokens"] = run.meter.get("tokens", 0) + record.pop("tokens")
+        if result.action == StepAction.STOP:
+            raise AnomalyStop(result.anomaly)
+        run.meter["tokens"] = run.meter.get("tokens", 0) + result.tokens
         run.samples_consumed += window
         run.global_step += 1
         run.steps_this_invocation += 1
-        run.callbacks.fire("on_step_end", run, record)
-        pause_for_tests(STEP_DELAY_ENV)
+        run.callbacks.fire("on_step_end", run, result.record)
         epoch_done = run.samples_consumed == n
         if epoch_done:
             run.epoch, run.samples_consumed = run.epoch + 1, 0
         last_step = run.epoch == args.epochs
         if run.global_step % args.log_interval == 0 or epoch_done:
-            log_metrics(run, record)
+            log_metrics(run, result.record)
         if run.val_dataset is not None and (run.global_step % args.eval_interval == 0 or last_step):
             run_validation(run)
-        stop = stop_requested or (args.max_steps is not None and run.steps_this_invocation >= args.max_steps)
+        stop = result.stop_requested or (args.max_steps is not None and run.steps_this_invocation >= args.max_steps)
         if stop or epoch_done or run.global_step % args.save_interval == 0:
-            save_checkpoint(run, lr=record["lr"])
+            save_checkpoint(run, lr=result.record["lr"])
         if stop:
             return "stopped"
     run.callbacks.fire("on_epoch_end", run, run.epoch - 1)
     return "completed"
 
 
-def train_step(run: RunContext, micro_batches: list, window: int) -> tuple[str, dict]:
-    """One optimizer step over this rank's micro-batches; returns (action, trace record)."""
+def train_step(run: RunContext, micro_batches: list, window: int) -> StepResult:
+    """One optimizer step over this rank's micro-batches.
+
+    One host-device synchronisation per step: the step's numbers (global loss, grad norm, the
+    stop flag) travel to the host together, once, because the anomaly guard must judge them
+    before the optimizer may touch the weights. Everything else stays on the device.
+    """
     model, args, device = run.model, run.args, run.dist.device
     step = run.global_step + 1
     # The LR at the position this step reaches, so the first step already trains.
     lr = get_lr(run.progress(window), args.learning_rate, args.warmup_ratio) * run.guard.lr_scale
     for group in run.optimizer.param_groups:
         group["lr"] = lr
-    # Tokens that carry loss in the whole global batch (all ranks): the loss denominator.
-    local_tokens = sum(int((labels[:, 1:] != -100).sum()) for _, _, labels in micro_batches)
-    total_tokens = torch.tensor([local_tokens], dtype=torch.float64, device=device)
+    batches = [(indices, x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+               for indices, x, y in micro_batches]
+    # Tokens that carry loss in the whole global batch (all ranks): the loss denominator, kept on the device.
+    global_tokens = sum((labels[:, 1:] != -100).sum() for _, _, labels in batches).double()
+    local_tokens = global_tokens.clone()
     if dist.is_initialized():
-        dist.all_reduce(total_tokens)
+        dist.all_reduce(global_tokens)
     # DDP averages gradients over ranks, so scale by world_size to get a sum over all tokens / total.
-    global_tokens = max(total_tokens.item(), 1.0)
-    loss_scale = run.dist.world_size / global_tokens
-    inject = run.guard.injected_loss_factor(step)
-    loss_sum = torch.zeros((), device=device)
-    trained = []
-    for i, (indices, input_ids, labels) in enumerate(micro_batches):
-        is_last = i == len(micro_batches) - 1
+    loss_scale = run.dist.world_size / global_tokens.clamp(min=1.0)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for i, (_, input_ids, labels) in enumerate(batches):
+        is_last = i == len(batches) - 1
         # Only the last micro-step needs the gradient all-reduce; the others just accumulate.
         sync = nullcontext() if is_last or not isinstance(model, DistributedDataParallel) else model.no_sync()
         with sync:
             with run.autocast:
-                out = model(input_ids.to(device, non_blocking=True), labels=labels.to(device, non_blocking=True),
-                            loss_reduction="sum")
-                token_loss = out.loss * inject
-                loss = token_loss * loss_scale + out.aux_loss / len(micro_batches)
+                out = model(input_ids, labels=labels, loss_reduction="sum")
+                loss = out.loss * loss_scale + out.aux_loss / len(batches)
             run.scaler.scale(loss).backward()
-        loss_sum += token_loss.detach().float()
-        trained += [int(i) for i in indices if i >= 0]
+        loss_sum += out.loss.detach().double()
     run.scaler.unscale_(run.optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-    # One small all-reduce: the global loss, whether any rank was asked to stop, tokens processed.
-    local_loss_sum, grad_norm = loss_sum.item(), grad_norm.item()  # one device sync per step
-    shared = torch.tensor([local_loss_sum, 1.0 if run.stop_signal else 0.0,
-                           sum(x.numel() for _, x, _ in micro_batches)], dtype=torch.float64, device=device)
+    # One small all-reduce: the global loss sum, whether any rank was asked to stop, input tokens.
+    input_tokens = sum(x.numel() for _, x, _ in batches)
+    flags = torch.tensor([float(run.stop_signal is not None), float(input_tokens)], dtype=torch.float64)
+    shared = torch.cat([loss_sum.view(1), flags.to(device, non_blocking=True)])
+    local_loss_sum = loss_sum.clone()
     if dist.is_initialized():
         dist.all_reduce(shared)
-    loss_total, stop_flag, tokens = shared.tolist()
-    global_loss = loss_total / global_tokens
-    action, reason = run.guard.verdict(step, global_loss, grad_norm, not run.scaler.is_enabled())
+    numbers = torch.cat([shared, global_tokens.view(1), local_loss_sum.view(1), local_tokens.view(1),
+                         grad_norm.detach().double().view(1)]).tolist()  # the step's one device sync
+    loss_total, stop_flag, tokens, total_tokens, local_loss, local_count, grad_norm_value = numbers
+    global_loss = loss_total / max(total_tokens, 1.0)
+    action, reason = run.guard.verdict(step, global_loss, grad_norm_value, not run.scaler.is_enabled())
     if reason:
-        run.log(f"anomaly: {reason} (--on_anomaly {args.on_anomaly}: {action})")
+        run.log(f"anomaly: {reason} (--on_anomaly {args.on_anomaly}: {action.value})")
         run.callbacks.fire("on_anomaly", run, step, reason)
-    if action == "apply":
+    if action == StepAction.APPLY:
         run.scaler.step(run.optimizer)
     run.scaler.update()
     run.optimizer.zero_grad(set_to_none=True)
+    trained = [int(i) for indices, _, _ in micro_batches for i in indices if i >= 0]
     record = {"step": step, "epoch": run.epoch, "rank": run.dist.rank, "world_size": run.dist.world_size,
-              "samples": trained if action == "apply" else [], "loss": local_loss_sum / max(local_tokens, 1),
-              "loss_sum": local_loss_sum, "local_tokens": local_tokens, "global_loss": global_loss,
-              "grad_norm": grad_norm, "lr": lr}
-    if action != "apply":
+              "samples": trained if action == StepAction.APPLY else [], "loss": local_loss / max(local_count, 1.0),
+              "loss_sum": local_loss, "local_tokens": int(local_count), "global_loss": global_loss,
+              "grad_norm": grad_norm_value, "lr": lr}
+    if action != StepAction.APPLY:
         record.update(skipped=True, skipped_samples=trained, anomaly=reason)
-    return action, {**record, "stop_requested": stop_flag > 0, "tokens": tokens}
+    return StepResult(action, record, int(tokens), stop_flag > 0, reason)
 
 
-def skipped_record(run: RunContext, micro_batches: list) -> dict:
-    """The trace record of a batch window stepped over after a rollback: nothing was trained."""
+def skip_window(run: RunContext, micro_batches: list) -> StepResult:
+    """A batch window stepped over after a rollback: nothing is trained, the trace says what was skipped."""
     run.log(f"skipping the batch window at sample {run.samples_consumed} of epoch {run.epoch + 1} (it caused an "
             f"anomaly before the rollback)")
-    return {"step": run.global_step + 1, "epoch": run.epoch, "rank": run.dist.rank,
-            "world_size": run.dist.world_size, "samples": [], "skipped": True,
-            "skipped_samples": [int(i) for indices, _, _ in micro_batches for i in indices if i >= 0],
-            "loss": float("nan"), "global_loss": float("nan"), "grad_norm": float("nan"), "lr": 0.0,
-            "stop_requested": False, "tokens": 0}
+    record = {"step": run.global_step + 1, "epoch": run.epoch, "rank": run.dist.rank,
+              "world_size": run.dist.world_size, "samples": [], "skipped": True,
+              "skipped_samples": [int(i) for indices, _, _ in micro_batches for i in indices if i >= 0],
+              "loss": float("nan"), "global_loss": float("nan"), "grad_norm": float("nan"), "lr": 0.0}
+    return StepResult(StepAction.SKIP, record, stop_requested=run.stop_signal is not None)
+
+
+def roll_back(run: RunContext, reason: str) -> None:
+    """Return to the newest good checkpoint and arrange to step over the window that went wrong."""
+    bad_epoch, bad_window_start = run.epoch, run.samples_consumed
+    state = load_checkpoint_state(run)
+    if state is None:
+        raise AnomalyStop(f"{reason}; no checkpoint to roll back to yet (lower --save_interval)")
+    run.guard.plan_rollback(bad_epoch, bad_window_start)
+    restore_training_state(run, state)
+    run.log(f"rollback {run.guard.rollbacks}/{run.guard.max_rollbacks}: back to step {run.global_step} "
+            f"({state['resumed_from']}); will skip the batch window at sample {bad_window_start} of epoch "
+            f"{bad_epoch + 1}; lr scale now {run.guard.lr_scale:g}")
+    run.callbacks.fire("on_rollback", run, run.global_step)
 
 
 def log_metrics(run: RunContext, record: dict) -> None:
@@ -356,21 +398,14 @@ def run_validation(run: RunContext) -> None:
 
 
 def save_checkpoint(run: RunContext, lr: float) -> None:
-    n = len(run.dataset)
-    step_in_epoch = steps_in_epoch(n, run.global_batch) - steps_left(n, run.samples_consumed, run.global_batch)
     lm_checkpoint(run.lm_config, weight=run.args.save_weight, model=run.model, optimizer=run.optimizer,
-                  epoch=run.epoch, step=step_in_epoch, wandb=run.tracker_runs.get("wandb"),
-                  save_dir=run.args.save_dir, checkpoint_dir=run.args.checkpoint_dir,
-                  samples_consumed=run.samples_consumed, global_step=run.global_step, scaler=run.scaler, lr=lr,
-                  train_args=run.train_args(), data_fingerprint=run.fingerprint, keep_last=run.args.keep_last,
-                  swanlab=run.tracker_runs.get("swanlab"))
+                  epoch=run.epoch, step=step_in_epoch(len(run.dataset), run.samples_consumed, run.global_batch),
+                  wandb=run.tracker_runs.get("wandb"), save_dir=run.args.save_dir,
+                  checkpoint_dir=run.args.checkpoint_dir, samples_consumed=run.samples_consumed,
+                  global_step=run.global_step, scaler=run.scaler, lr=lr, train_args=run.train_args(),
+                  data_fingerprint=run.fingerprint, anomaly_state=run.guard.state_dict(),
+                  keep_last=run.args.keep_last, swanlab=run.tracker_runs.get("swanlab"))
     if run.args.save_hf and run.dist.is_main:
         hf_dir = Path(run.args.save_dir) / f"{run_name(run.args.save_weight, run.lm_config)}_hf"
         export_hf(unwrap(run.model).state_dict(), run.lm_config, hf_dir, run.args.tokenizer_path)
     run.callbacks.fire("on_checkpoint_saved", run, str(run.args.checkpoint_dir))
-
-
-def pause_for_tests(variable: str) -> None:
-    delay = float(os.environ.get(variable, "0") or 0)
-    if delay > 0:
-        time.sleep(delay)

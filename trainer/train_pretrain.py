@@ -12,9 +12,15 @@ Writes out/pretrain_{hidden}.pth (FP16, for inference and SFT) and checkpoints/ 
 Everything else is shared with SFT and lives in trainer/train_loop.py.
 """
 
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: the repository, not this folder, goes first on the import path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 from dataset.lm_dataset import PretrainDataset
 from trainer.train_loop import run_training
-from trainer.trainer_utils import build_arg_parser
+from trainer.flags import build_arg_parser
 
 
 def main() -> None:

@@ -27,6 +27,11 @@ import json
 from pathlib import Path
 from typing import Iterator
 
+import sys
+
+if __package__ in (None, ""):  # run as a file: the repository, not this folder, goes first on the import path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -1,12 +1,18 @@
-"""Pieces both training scripts share: flags, distributed setup, logging, LR, checkpoints.
+"""Pieces both training scripts share, and the checkpoint at the heart of this project.
 
-`train_pretrain.py` and `train_full_sft.py` differ only in their dataset and defaults; all the
-rest lives here (and in the few focused modules next to it) so the two can never drift apart.
+    distributed   init_distributed / cleanup_distributed, the rank-0 Logger, seeds
+    throughput    FLOPs per token and the GPU's peak, for MFU
+    schedule      the LR as a function of the position in the data; batch geometry
+    weights       unwrap (DDP / compile wrappers), initial weights for --from_weight
+    checkpoints   lm_checkpoint: what a `_resume.pth` holds, how it is saved and found again
+
+`train_pretrain.py` and `train_full_sft.py` differ only in their dataset and defaults; the loop they
+share is train_loop.py, the flags flags.py, the file protocol (atomic, verified, rotated)
+checkpoint_io.py, and resume.py decides what a resume restores or refuses.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import random
@@ -20,81 +26,10 @@ import torch.distributed as dist
 
 from model.model import LMConfig
 from trainer import checkpoint_io
-from trainer.data_order import steps_in_epoch, steps_left
-from trainer.resume import capture_rng_state, plain
+# SkipBatchSampler is re-exported here because minimind's readers look for it in trainer_utils.
+from trainer.data_order import SkipBatchSampler, step_in_epoch  # noqa: F401
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-# ---- flags ----------------------------------------------------------------------------------
-
-def build_arg_parser(description: str, *, save_weight: str, from_weight: str, data_path: str,
-                     learning_rate: float, epochs: int) -> argparse.ArgumentParser:
-    """The flags common to both scripts (see ARCHITECTURE.md); the script passes its defaults."""
-    p = argparse.ArgumentParser(description=description)
-    a = p.add_argument
-    a("--data_path", default=str(REPO_ROOT / data_path), help="JSONL training data")
-    a("--tokenizer_path", default=str(REPO_ROOT / "model" / "tokenizer.json"))
-    a("--save_dir", default=str(REPO_ROOT / "out"), help="where FP16 inference weights go")
-    a("--checkpoint_dir", default=str(REPO_ROOT / "checkpoints"), help="where resume state goes")
-    a("--save_weight", default=save_weight, help="name prefix of the saved files")
-    a("--from_weight", default=from_weight, help="'none' or a weight name in --save_dir to start from")
-    a("--from_resume", type=int, default=0, choices=(0, 1), help="1: continue from the newest good checkpoint")
-    a("--resume_path", default=None, help="resume from this kept checkpoint file instead of the newest")
-    a("--keep_last", type=int, default=2, help="verified checkpoints to keep")
-    a("--epochs", type=int, default=epochs)
-    a("--batch_size", type=int, default=32, help="micro-batch per rank")
-    a("--accumulation_steps", type=int, default=1)
-    a("--global_batch_size", type=int, default=None,
-      help="samples per optimizer step; derives accumulation_steps and keeps steps identical on any GPU count")
-    a("--learning_rate", type=float, default=learning_rate)
-    a("--warmup_ratio", type=float, default=0.01)
-    a("--max_seq_len", type=int, default=340)
-    a("--hidden_size", type=int, default=512)
-    a("--num_hidden_layers", type=int, default=8)
-    a("--num_attention_heads", type=int, default=8)
-    a("--num_key_value_heads", type=int, default=4)
-    a("--use_moe", type=int, default=0, choices=(0, 1))
-    a("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
-      help="autocast dtype on CUDA (CPU always trains in float32)")
-    a("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    a("--num_workers", type=int, default=1)
-    a("--grad_clip", type=float, default=1.0)
-    a("--log_interval", type=int, default=10, help="optimizer steps between log lines")
-    a("--save_interval", type=int, default=100, help="optimizer steps between checkpoints")
-    a("--max_steps", type=int, default=None, help="stop (and save) after this many steps of this invocation")
-    a("--seed", type=int, default=42)
-    a("--use_compile", type=int, default=0, choices=(0, 1))
-    a("--use_wandb", action="store_true")
-    a("--use_swanlab", action="store_true")
-    a("--wandb_project", default="tiny-llm-trainer")
-    a("--save_debug_train_output", default=None,
-      help="JSONL path: one record per optimizer step and rank (sample indices, loss, lr)")
-    a("--save_hf", type=int, default=0, choices=(0, 1), help="1: also write a Hugging Face export at each save")
-    # Watching the run: metrics files, trackers, validation.
-    a("--logger", default="console,file", help="any of console,file,wandb,swanlab, comma-separated")
-    a("--metrics_dir", default=None, help="where {run_name}_metrics.jsonl and _status.json go (default --save_dir)")
-    a("--run_name", default=None, help="name of the metrics files and tracker run (default {weight}_{hidden})")
-    a("--val_data", default=None, help="JSONL validation file in the training format")
-    a("--eval_interval", type=int, default=100, help="optimizer steps between validations")
-    # Anomalies: what to do when a step looks wrong.
-    a("--on_anomaly", default="warn", choices=("warn", "stop", "rollback"))
-    a("--patience", type=int, default=0, help="steps without loss improvement that count as a plateau (0: off)")
-    a("--max_rollbacks", type=int, default=3)
-    a("--rollback_lr_factor", type=float, default=1.0, help="multiply the LR by this after each rollback")
-    a("--debug_inject", default=None, help="test aid: nan:K or spike:K makes step K's loss NaN or huge")
-    return p
-
-
-def lm_config_from_args(args, vocab_size: int) -> LMConfig:
-    return LMConfig(vocab_size=vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
-                    num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
-                    use_moe=bool(args.use_moe))
-
-
-def run_name(weight: str, lm_config: LMConfig) -> str:
-    """`{weight}_{hidden}[_moe]`: the stem of every file a run writes."""
-    return f"{weight}_{lm_config.hidden_size}{'_moe' if lm_config.use_moe else ''}"
 
 
 # ---- distributed ----------------------------------------------------------------------------
@@ -206,7 +141,31 @@ def resolve_accumulation(batch_size: int, world_size: int, accumulation_steps: i
     return global_batch_size // per_micro_step, global_batch_size
 
 
-# ---- checkpoints ----------------------------------------------------------------------------
+# ---- validation ---------------------------------------------------------------------------
+
+@torch.no_grad()
+def validation_loss(model: torch.nn.Module, dataset, batch_size: int, device: torch.device, autocast) -> float:
+    """Mean loss per token over the whole validation file; each rank takes every world_size-th sample."""
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, token count
+    indices = list(range(rank, len(dataset), world_size))
+    for start in range(0, len(indices), batch_size):
+        rows = [dataset[i] for i in indices[start:start + batch_size]]
+        input_ids = torch.stack([r[0] for r in rows]).to(device)
+        labels = torch.stack([r[1] for r in rows]).to(device)
+        with autocast:
+            out = model(input_ids, labels=labels, loss_reduction="sum")
+        totals[0] += out.loss.double()
+        totals[1] += (labels[:, 1:] != -100).sum()
+    if dist.is_initialized():
+        dist.all_reduce(totals)
+    model.train(was_training)
+    return (totals[0] / totals[1].clamp(min=1)).item()
+
+
+# ---- weights --------------------------------------------------------------------------------
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The plain model inside DDP and torch.compile wrappers (their state_dict keys get prefixes)."""
@@ -214,38 +173,60 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "_orig_mod", model)
 
 
-def lm_checkpoint(lm_config: LMConfig, weight: str = "full_sft", model=None, optimizer=None, epoch: int = 0,
-                  step: int = 0, wandb=None, save_dir: str = "out", checkpoint_dir: str = "checkpoints",
-                  **kwargs):
-    """Save mode (model given): write the FP16 `out/` weights and a verified resume checkpoint.
-    Load mode (no model): return the newest good resume state (or `resume_path`'s), else None.
+def run_name(weight: str, lm_config: LMConfig) -> str:
+    """`{weight}_{hidden}[_moe]`: the stem of every file a run writes."""
+    return f"{weight}_{lm_config.hidden_size}{'_moe' if lm_config.use_moe else ''}"
 
-    Save mode must be called on every rank (it gathers each rank's RNG state). kwargs in save
-    mode: samples_consumed, global_step, scaler, lr, train_args, data_fingerprint, keep_last,
-    swanlab (run). kwargs in load mode: resume_path, num_samples and global_batch (to rescale the
-    step to this run's geometry), log.
-    """
-    files = checkpoint_io.RunFiles(Path(checkpoint_dir), run_name(weight, lm_config))
-    if model is None:
-        return _load_resume_state(files, **kwargs)
-    rng_states = [capture_rng_state()]
-    if dist.is_initialized():
-        rng_states = [None] * dist.get_world_size()
-        dist.all_gather_object(rng_states, capture_rng_state())
-    error = None
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        try:
-            _write_checkpoint(files, lm_config, unwrap(model), optimizer, epoch, step, wandb, save_dir,
-                              rng_states, **kwargs)
-        except Exception as caught:  # re-raised below, after telling the other ranks to stop too
-            error = caught
-    if dist.is_initialized():  # every rank must stop together if rank 0 could not save
-        failed = [error is not None]
-        dist.broadcast_object_list(failed, src=0)
-        if failed[0] and error is None:
-            raise checkpoint_io.CheckpointError("rank 0 could not save the checkpoint (see its error)")
-    if error is not None:
-        raise error
+
+def load_initial_weights(model: torch.nn.Module, from_weight: str, save_dir: str, lm_config: LMConfig,
+                         log) -> None:
+    """--from_weight NAME loads `{save_dir}/{NAME}_{hidden}[_moe].pth` strictly; 'none' keeps random init."""
+    if from_weight == "none":
+        return
+    path = Path(save_dir) / f"{run_name(from_weight, lm_config)}.pth"
+    if not path.is_file():
+        raise FileNotFoundError(f"--from_weight {from_weight}: {path} does not exist. Train that stage first "
+                                f"(e.g. trainer/train_pretrain.py with the same --hidden_size), or pass "
+                                f"--from_weight none to start from random weights")
+    weights = checkpoint_io.load_trusted(path)
+    try:
+        model.load_state_dict(weights, strict=True)
+    except RuntimeError as error:
+        raise ValueError(f"{path} does not fit the model built from the flags (check --hidden_size, "
+                         f"--num_hidden_layers, heads, --use_moe):\n{error}") from None
+    log(f"loaded initial weights from {path}")
+
+
+# ---- checkpoints ----------------------------------------------------------------------------
+#
+# Two files per save. `out/{run}.pth`: FP16 weights only, for inference and the next stage.
+# `checkpoints/{run}_resume.pth`: everything the next optimizer step depends on, so a resumed run
+# continues exactly (see resume.py for what it checks). Written by rank 0 through checkpoint_io,
+# which makes the file durable, verified and rotated; every rank contributes its RNG state.
+
+def capture_rng_state() -> dict:
+    """Every RNG this process uses, as tensors and plain types (loadable with weights_only=True)."""
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    py_version, py_state, py_gauss = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": {"kind": np_kind, "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
+                  "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss)},
+        "python": {"version": py_version, "state": torch.tensor(py_state, dtype=torch.int64),
+                   "gauss_next": py_gauss},
+    }
+
+
+def restore_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    np_state = state["numpy"]
+    np.random.set_state((np_state["kind"], np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
+                         np_state["has_gauss"], np_state["cached_gaussian"]))
+    py_state = state["python"]
+    random.setstate((py_state["version"], tuple(py_state["state"].tolist()), py_state["gauss_next"]))
 
 
 def cast_state_dict(state_dict: dict, dtype: torch.dtype) -> dict:
@@ -253,6 +234,17 @@ def cast_state_dict(state_dict: dict, dtype: torch.dtype) -> dict:
     converted = {}
     return {name: converted.setdefault(t.data_ptr(), t.detach().to("cpu", dtype))
             for name, t in state_dict.items()}
+
+
+def plain(value):
+    """Settings as plain types for the checkpoint (weights_only loading accepts only those)."""
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
 
 
 def _tracker_id(run, name: str) -> str | None:
@@ -263,35 +255,81 @@ def _tracker_id(run, name: str) -> str | None:
     return str(run.id)
 
 
-def _write_checkpoint(files, lm_config, model, optimizer, epoch, step, wandb, save_dir, rng_states, *,
-                      samples_consumed: int, global_step: int, scaler=None, lr: float = 0.0,
-                      train_args: dict | None = None, data_fingerprint: dict | None = None,
-                      keep_last: int = 2, swanlab=None) -> None:
+def lm_checkpoint(lm_config: LMConfig, weight: str = "full_sft", model=None, optimizer=None, epoch: int = 0,
+                  step: int = 0, wandb=None, save_dir: str = "out", checkpoint_dir: str = "checkpoints", *,
+                  samples_consumed: int = 0, global_step: int = 0, scaler=None, lr: float = 0.0,
+                  train_args: dict | None = None, data_fingerprint: dict | None = None,
+                  anomaly_state: dict | None = None, keep_last: int = 2, swanlab=None,
+                  resume_path: str | None = None, num_samples: int | None = None,
+                  global_batch: int | None = None, log=print) -> dict | None:
+    """Save a checkpoint (when `model` is given) or load the newest good one (when it is not).
+
+    Saving must be called on every rank (it gathers each rank's RNG state); rank 0 writes. The
+    positional parameters are minimind's; the keywords after `*` are what exact resume adds.
+    `samples_consumed` is the data position; `step` (optimizer steps into the epoch) is only a
+    label derived from it for the current global batch.
+
+    Loading returns the state dict of the newest checkpoint that verifies (or `resume_path`'s), or
+    None if the run has none. With `num_samples` and `global_batch` its "step" is re-derived for
+    this run's global batch: minimind's `step * old_ws // new_ws` is the special case of that when
+    all the counts divide.
+    """
+    files = checkpoint_io.RunFiles(Path(checkpoint_dir), run_name(weight, lm_config))
+    if model is None:
+        state = _load_resume_state(files, resume_path, log)
+        if state is not None and num_samples is not None and global_batch is not None:
+            state["step"] = step_in_epoch(num_samples, state["samples_consumed"], global_batch)
+        return state
+    rng_states = [capture_rng_state()]
+    if dist.is_initialized():
+        rng_states = [None] * dist.get_world_size()
+        dist.all_gather_object(rng_states, capture_rng_state())
+    error = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        model = unwrap(model)
+        try:
+            _write_inference_weights(model, Path(save_dir) / f"{files.name}.pth")
+            # What a `_resume.pth` holds: everything the next optimizer step depends on.
+            state = {
+                "format_version": 1,
+                "model": cast_state_dict(model.state_dict(), torch.float32),  # FP32 master weights
+                "optimizer": optimizer.state_dict(),
+                "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
+                "epoch": epoch, "step": step, "global_step": global_step,
+                "samples_consumed": samples_consumed,  # the data position: the one number resume trusts
+                "world_size": len(rng_states), "lr": lr,
+                "rng": rng_states,  # one entry per rank: torch, cuda, numpy, python
+                "lm_config": plain(lm_config.to_dict()), "train_args": plain(train_args or {}),
+                "data_fingerprint": plain(data_fingerprint or {}),
+                "anomaly": plain(anomaly_state or {}),
+                "tracker_ids": {"wandb": _tracker_id(wandb, "wandb"), "swanlab": _tracker_id(swanlab, "swanlab")},
+            }
+            info = {"epoch": epoch, "global_step": global_step, "samples_consumed": samples_consumed}
+            checkpoint_io.save_verified(files, state, global_step, keep_last, info)
+        except Exception as caught:  # re-raised below, after telling the other ranks to stop too
+            error = caught
+    if dist.is_initialized():  # every rank must stop together if rank 0 could not save
+        failed = [error is not None]
+        dist.broadcast_object_list(failed, src=0)
+        if failed[0] and error is None:
+            raise checkpoint_io.CheckpointError("rank 0 could not save the checkpoint (see its error)")
+    if error is not None:
+        raise error
+    return None
+
+
+def _write_inference_weights(model: torch.nn.Module, path: Path) -> None:
+    """`out/{run}.pth`: the FP16 state dict, atomically replaced."""
     weights = cast_state_dict(model.state_dict(), torch.float16)
-    out_path = Path(save_dir) / f"{files.name}.pth"
-    out_path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        checkpoint_io.atomic_write(out_path, lambda f: torch.save(weights, f))
+        checkpoint_io.atomic_write(path, lambda f: torch.save(weights, f))
     except OSError as error:
-        raise checkpoint_io.CheckpointError(f"could not write {out_path}: {error}") from error
-    state = {
-        "format_version": 1,
-        "model": cast_state_dict(model.state_dict(), torch.float32),  # FP32 master weights
-        "optimizer": optimizer.state_dict(),
-        "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
-        "epoch": epoch, "step": step, "global_step": global_step, "samples_consumed": samples_consumed,
-        "world_size": len(rng_states), "lr": lr,
-        "lm_config": plain(lm_config.to_dict()), "train_args": plain(train_args or {}),
-        "data_fingerprint": plain(data_fingerprint or {}), "rng": rng_states,
-        "tracker_ids": {"wandb": _tracker_id(wandb, "wandb"), "swanlab": _tracker_id(swanlab, "swanlab")},
-    }
-    info = {"epoch": epoch, "global_step": global_step, "samples_consumed": samples_consumed}
-    checkpoint_io.save_verified(files, state, global_step, keep_last, info)
+        raise checkpoint_io.CheckpointError(f"could not write {path}: {error}") from error
 
 
-def _load_resume_state(files, *, resume_path: str | None = None, num_samples: int | None = None,
-                       global_batch: int | None = None, log=print) -> dict | None:
-    """Pick the checkpoint on rank 0, share the choice, load it on every rank."""
+def _load_resume_state(files: checkpoint_io.RunFiles, resume_path: str | None, log) -> dict | None:
+    """Rank 0 picks and verifies the checkpoint, shares the choice; every rank loads it."""
     choice, state = [None], None
     if not dist.is_initialized() or dist.get_rank() == 0:
         choice[0], state = _choose_checkpoint(files, resume_path, log)
@@ -302,14 +340,10 @@ def _load_resume_state(files, *, resume_path: str | None = None, num_samples: in
     if state is None:  # the other ranks read the file rank 0 chose and verified
         state = checkpoint_io.load_trusted(Path(choice[0]))
     state["resumed_from"] = choice[0]
-    if num_samples is not None and global_batch is not None:
-        # The step within the epoch is derived from the sample cursor, so it is exact at any geometry.
-        state["step"] = steps_in_epoch(num_samples, global_batch) - steps_left(
-            num_samples, state["samples_consumed"], global_batch)
     return state
 
 
-def _choose_checkpoint(files, resume_path: str | None, log) -> tuple[str | None, dict | None]:
+def _choose_checkpoint(files: checkpoint_io.RunFiles, resume_path: str | None, log) -> tuple[str | None, dict | None]:
     """(path, loaded state) of the checkpoint to resume; (None, None) when there is nothing."""
     if resume_path is None:
         found = checkpoint_io.newest_good_checkpoint(files, log)

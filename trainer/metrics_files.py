@@ -1,4 +1,4 @@
-"""Watching a run from outside: a metrics file, a status file, and an anomaly detector.
+"""Watching a run from outside: a metrics file and a status file.
 
 `MetricsFileWriter` is a callback that leaves two plain files per run in a metrics directory:
 
@@ -10,18 +10,13 @@ Anything that can read a file can follow the run: `scripts/watch_run.py` over ss
 
 On resume the metrics file is cut back to the checkpoint's step first: the steps logged after the
 last save are trained again, and a file with two losses for one step would draw a zigzag.
-
-`AnomalyDetector` is pure arithmetic on (step, loss, grad norm). It says *that* something looks
-wrong and why, in words; what to do about it (warn, stop, roll back) is the training loop's call.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import statistics
 import time
-from collections import deque
 from pathlib import Path
 from typing import IO
 
@@ -198,103 +193,3 @@ class MetricsFileWriter(TrainerCallback):
         from trainer.checkpoint_io import atomic_write_text
         self.status["updated"] = time.time()
         atomic_write_text(self.status_file, json.dumps(finite_or_null(self.status), indent=1) + "\n")
-
-
-# ---- the anomaly detector ----
-
-class AnomalyDetector:
-    """Flags training steps whose loss or gradient norm looks wrong, with a reason in words.
-
-    Rules, checked in this order on every `check(step, loss, grad_norm)`:
-
-    1. Non-finite: a NaN or inf loss or grad norm. Nothing after it can be trusted (NaN spreads
-       into every weight at the next optimizer step), so it is always reported.
-    2. Loss spike: loss > mean + spike_factor * std of the last `window` accepted losses. The std
-       has a floor of max(5% of |mean|, 1e-3): on a very smooth curve the std is tiny and a harmless
-       wiggle would otherwise count as "many sigmas". Needs `min_history` values first.
-    3. Grad-norm explosion: grad_norm > grad_explosion_factor * median of recent accepted norms.
-       The median, unlike the mean, is not dragged up by the occasional large norm.
-    4. Plateau (only if patience > 0): the best loss has not improved by a relative 1e-3 for
-       `patience` consecutive accepted checks. The counter then restarts, so a long plateau is
-       reported every `patience` checks rather than on every step.
-
-    Only values that pass rules 1-3 enter the history. A spike therefore cannot raise the mean
-    and std that judge the next values: the next normal step is not flagged, and a loss that stays
-    high keeps being reported, which is right, since it did not recover.
-    """
-
-    def __init__(self, spike_factor: float = 3.0, window: int = 20, min_history: int = 5,
-                 grad_explosion_factor: float = 10.0, patience: int = 0):
-        if window < 2 or min_history < 2 or min_history > window:
-            raise ValueError(f"need 2 <= min_history <= window, got min_history={min_history} window={window}")
-        self.spike_factor = spike_factor
-        self.window = window
-        self.min_history = min_history
-        self.grad_explosion_factor = grad_explosion_factor
-        self.patience = patience
-        self.losses: deque[float] = deque(maxlen=window)
-        self.grad_norms: deque[float] = deque(maxlen=window)
-        self.best_loss: float | None = None
-        self.best_step: int | None = None
-        self.checks_since_best = 0
-
-    def check(self, step: int, loss: float, grad_norm: float) -> str | None:
-        """A reason if this step looks anomalous, else None (and the values join the history)."""
-        loss, grad_norm = float(loss), float(grad_norm)
-        if not math.isfinite(loss):
-            return f"non-finite loss {loss} at step {step}"
-        if not math.isfinite(grad_norm):
-            return f"non-finite grad norm {grad_norm} at step {step}"
-        reason = self._spike(step, loss) or self._explosion(step, grad_norm)
-        if reason:
-            return reason
-        self.losses.append(loss)
-        self.grad_norms.append(grad_norm)
-        return self._plateau(step, loss)
-
-    def _spike(self, step: int, loss: float) -> str | None:
-        if len(self.losses) < self.min_history:
-            return None
-        mean = statistics.fmean(self.losses)
-        std = max(statistics.pstdev(self.losses), 0.05 * abs(mean), 1e-3)
-        limit = mean + self.spike_factor * std
-        if loss <= limit:
-            return None
-        return (f"loss spike at step {step}: {loss:.4f} > {limit:.4f} = mean {mean:.4f} + "
-                f"{self.spike_factor:g} x std {std:.4f} of the last {len(self.losses)} steps")
-
-    def _explosion(self, step: int, grad_norm: float) -> str | None:
-        if len(self.grad_norms) < self.min_history:
-            return None
-        median = statistics.median(self.grad_norms)
-        if median <= 0 or grad_norm <= self.grad_explosion_factor * median:
-            return None
-        return (f"grad norm explosion at step {step}: {grad_norm:.4g} is {grad_norm / median:.1f}x the "
-                f"median {median:.4g} of the last {len(self.grad_norms)} steps "
-                f"(limit {self.grad_explosion_factor:g}x)")
-
-    def _plateau(self, step: int, loss: float) -> str | None:
-        if self.patience <= 0:
-            return None
-        if self.best_loss is None or loss < self.best_loss - 1e-3 * abs(self.best_loss):
-            self.best_loss, self.best_step, self.checks_since_best = loss, step, 0
-            return None
-        self.checks_since_best += 1
-        if self.checks_since_best < self.patience:
-            return None
-        self.checks_since_best = 0
-        return (f"plateau at step {step}: best loss {self.best_loss:.4f} (step {self.best_step}) has not "
-                f"improved by 0.1% for {self.patience} checks")
-
-    def state_dict(self) -> dict:
-        """Plain lists and numbers, so it fits in a `weights_only=True` checkpoint."""
-        return {"losses": list(self.losses), "grad_norms": list(self.grad_norms),
-                "best_loss": self.best_loss, "best_step": self.best_step,
-                "checks_since_best": self.checks_since_best}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore the history of a resumed run (clipped to this detector's window)."""
-        self.losses = deque((float(x) for x in state["losses"]), maxlen=self.window)
-        self.grad_norms = deque((float(x) for x in state["grad_norms"]), maxlen=self.window)
-        self.best_loss, self.best_step = state["best_loss"], state["best_step"]
-        self.checks_since_best = int(state["checks_since_best"])

@@ -1,0 +1,87 @@
+"""Slow a training process down from the outside, so a test can signal or kill it at a chosen moment.
+
+The library has no test hooks: a test (or scripts/soak_kill.py) puts this directory on the child's
+PYTHONPATH, and Python imports `sitecustomize` at start-up. With the variables unset it does nothing.
+
+    FAULT_STEP_DELAY_S  sleep after each optimizer step (`train_loop.train_step`)
+    FAULT_SAVE_DELAY_S  sleep at each stage of a checkpoint save: before the bytes of a file are
+                        written (a kill leaves an empty temp file), before a manifest or pointer is
+                        written (a history file without manifest), before verification (no link yet)
+
+The patches are applied when the trainer's modules are imported (the scripts make the repository
+importable only after start-up), through an import hook that runs the module, then wraps its functions.
+"""
+
+import functools
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import time
+
+STEP_DELAY = float(os.environ.get("FAULT_STEP_DELAY_S", "0") or 0)
+SAVE_DELAY = float(os.environ.get("FAULT_SAVE_DELAY_S", "0") or 0)
+
+
+def sleep_before(function, seconds: float):
+    @functools.wraps(function)
+    def slowed(*args, **kwargs):
+        time.sleep(seconds)
+        return function(*args, **kwargs)
+    return slowed
+
+
+def sleep_after(function, seconds: float):
+    @functools.wraps(function)
+    def slowed(*args, **kwargs):
+        result = function(*args, **kwargs)
+        time.sleep(seconds)
+        return result
+    return slowed
+
+
+def patch_train_loop(module) -> None:
+    module.train_step = sleep_after(module.train_step, STEP_DELAY)
+
+
+def patch_checkpoint_io(module) -> None:
+    stage = SAVE_DELAY / 4
+    atomic_write = module.atomic_write
+
+    @functools.wraps(atomic_write)
+    def slow_atomic_write(path, write):
+        return atomic_write(path, sleep_before(write, stage))  # the temp file is open and still empty
+
+    module.atomic_write = slow_atomic_write
+    module.atomic_write_text = sleep_before(module.atomic_write_text, stage)
+    module.verify = sleep_before(module.verify, stage)
+
+
+PATCHES = {}
+if STEP_DELAY > 0:
+    PATCHES["trainer.train_loop"] = patch_train_loop
+if SAVE_DELAY > 0:
+    PATCHES["trainer.checkpoint_io"] = patch_checkpoint_io
+
+
+class PatchAfterImport(importlib.abc.MetaPathFinder):
+    """Finds the modules in PATCHES with the normal finders, and patches them once they have run."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in PATCHES:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None:
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module):
+            exec_module(module)
+            PATCHES[name](module)
+
+        spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+if PATCHES:
+    sys.meta_path.insert(0, PatchAfterImport())

@@ -1,0 +1,221 @@
+"""Spotting a bad step, and deciding what to do about it.
+
+`AnomalyDetector` is pure arithmetic on (step, loss, grad norm): it says *that* something looks
+wrong and why, in words. `AnomalyGuard` applies the --on_anomaly policy to that verdict. Every
+step, before the optimizer touches the weights, the loop asks the guard about the step's global
+loss and grad norm. All ranks see the same two numbers (the loss is reduced over ranks, the
+gradient is already synchronized), so all ranks reach the same action without talking:
+
+    APPLY     the step is fine (or only worth a warning): take it
+    SKIP      non-finite under --on_anomaly warn: drop this update, keep training
+    STOP      --on_anomaly stop: drop the update, exit non-zero with the reason
+    ROLLBACK  --on_anomaly rollback: drop the update, reload the last good checkpoint, and
+              step over this batch window when training reaches it again
+
+A non-finite step is never applied, whatever the policy. The guard's memory (the detector's
+history, rollbacks made, windows to skip) is saved in every checkpoint, so a resume keeps it.
+`--debug_inject` lets a user see the policy act on purpose; it is a forward hook, not loop code.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import statistics
+from collections import deque
+
+import torch
+
+
+class StepAction(enum.Enum):
+    APPLY = "apply"
+    SKIP = "skip"
+    STOP = "stop"
+    ROLLBACK = "rollback"
+
+
+class AnomalyStop(RuntimeError):
+    """Training stopped on an anomaly (--on_anomaly stop, or rollbacks exhausted)."""
+
+
+class AnomalyDetector:
+    """Flags training steps whose loss or gradient norm looks wrong, with a reason in words.
+
+    Rules, checked in this order on every `check(step, loss, grad_norm)`:
+
+    1. Non-finite: a NaN or inf loss or grad norm. Nothing after it can be trusted (NaN spreads
+       into every weight at the next optimizer step), so it is always reported.
+    2. Loss spike: loss > mean + spike_factor * std of the last `window` accepted losses. The std
+       has a floor of max(5% of |mean|, 1e-3): on a very smooth curve the std is tiny and a harmless
+       wiggle would otherwise count as "many sigmas". Needs `min_history` values first.
+    3. Grad-norm explosion: grad_norm > grad_explosion_factor * median of recent accepted norms.
+       The median, unlike the mean, is not dragged up by the occasional large norm.
+    4. Plateau (only if patience > 0): the best loss has not improved by a relative 1e-3 for
+       `patience` consecutive accepted checks. The counter then restarts, so a long plateau is
+       reported every `patience` checks rather than on every step.
+
+    Only values that pass rules 1-3 enter the history. A spike therefore cannot raise the mean
+    and std that judge the next values: the next normal step is not flagged, and a loss that stays
+    high keeps being reported, which is right, since it did not recover.
+    """
+
+    def __init__(self, spike_factor: float = 3.0, window: int = 20, min_history: int = 5,
+                 grad_explosion_factor: float = 10.0, patience: int = 0):
+        if window < 2 or min_history < 2 or min_history > window:
+            raise ValueError(f"need 2 <= min_history <= window, got min_history={min_history} window={window}")
+        self.spike_factor = spike_factor
+        self.window = window
+        self.min_history = min_history
+        self.grad_explosion_factor = grad_explosion_factor
+        self.patience = patience
+        self.losses: deque[float] = deque(maxlen=window)
+        self.grad_norms: deque[float] = deque(maxlen=window)
+        self.best_loss: float | None = None
+        self.best_step: int | None = None
+        self.checks_since_best = 0
+
+    def check(self, step: int, loss: float, grad_norm: float) -> str | None:
+        """A reason if this step looks anomalous, else None (and the values join the history)."""
+        loss, grad_norm = float(loss), float(grad_norm)
+        if not math.isfinite(loss):
+            return f"non-finite loss {loss} at step {step}"
+        if not math.isfinite(grad_norm):
+            return f"non-finite grad norm {grad_norm} at step {step}"
+        reason = self._spike(step, loss) or self._explosion(step, grad_norm)
+        if reason:
+            return reason
+        self.losses.append(loss)
+        self.grad_norms.append(grad_norm)
+        return self._plateau(step, loss)
+
+    def _spike(self, step: int, loss: float) -> str | None:
+        if len(self.losses) < self.min_history:
+            return None
+        mean = statistics.fmean(self.losses)
+        std = max(statistics.pstdev(self.losses), 0.05 * abs(mean), 1e-3)
+        limit = mean + self.spike_factor * std
+        if loss <= limit:
+            return None
+        return (f"loss spike at step {step}: {loss:.4f} > {limit:.4f} = mean {mean:.4f} + "
+                f"{self.spike_factor:g} x std {std:.4f} of the last {len(self.losses)} steps")
+
+    def _explosion(self, step: int, grad_norm: float) -> str | None:
+        if len(self.grad_norms) < self.min_history:
+            return None
+        median = statistics.median(self.grad_norms)
+        if median <= 0 or grad_norm <= self.grad_explosion_factor * median:
+            return None
+        return (f"grad norm explosion at step {step}: {grad_norm:.4g} is {grad_norm / median:.1f}x the "
+                f"median {median:.4g} of the last {len(self.grad_norms)} steps "
+                f"(limit {self.grad_explosion_factor:g}x)")
+
+    def _plateau(self, step: int, loss: float) -> str | None:
+        if self.patience <= 0:
+            return None
+        if self.best_loss is None or loss < self.best_loss - 1e-3 * abs(self.best_loss):
+            self.best_loss, self.best_step, self.checks_since_best = loss, step, 0
+            return None
+        self.checks_since_best += 1
+        if self.checks_since_best < self.patience:
+            return None
+        self.checks_since_best = 0
+        return (f"plateau at step {step}: best loss {self.best_loss:.4f} (step {self.best_step}) has not "
+                f"improved by 0.1% for {self.patience} checks")
+
+    def state_dict(self) -> dict:
+        """Plain lists and numbers, so it fits in a `weights_only=True` checkpoint."""
+        return {"losses": list(self.losses), "grad_norms": list(self.grad_norms),
+                "best_loss": self.best_loss, "best_step": self.best_step,
+                "checks_since_best": self.checks_since_best}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the history of a resumed run (clipped to this detector's window)."""
+        self.losses = deque((float(x) for x in state["losses"]), maxlen=self.window)
+        self.grad_norms = deque((float(x) for x in state["grad_norms"]), maxlen=self.window)
+        self.best_loss, self.best_step = state["best_loss"], state["best_step"]
+        self.checks_since_best = int(state["checks_since_best"])
+
+
+def parse_injection(spec: str | None) -> dict[int, str]:
+    """`--debug_inject nan:K,spike:J` -> {K: "nan", J: "spike"}: make those steps' loss NaN or huge."""
+    injections = {}
+    for item in (spec or "").split(","):
+        if not item:
+            continue
+        kind, _, step = item.partition(":")
+        if kind not in ("nan", "spike") or not step.isdigit():
+            raise ValueError(f"--debug_inject {spec!r}: expected nan:STEP or spike:STEP (comma-separated), "
+                             f"e.g. nan:12")
+        injections[int(step)] = kind
+    return injections
+
+
+def install_debug_injection(model: torch.nn.Module, spec: str | None, current_step) -> None:
+    """--debug_inject: multiply the loss of the chosen steps by NaN or 1e4 (each fires once per process).
+
+    A forward hook on the plain model, so the training loop has no test code in it; the faulty loss
+    flows into the gradients exactly as a real blow-up would. `current_step()` is the step being run.
+    """
+    injections = parse_injection(spec)
+    if not injections:
+        return
+
+    def inject(module, inputs, output):
+        kind = injections.pop(current_step(), None) if output.loss is not None and module.training else None
+        if kind is None:
+            return output
+        return output._replace(loss=output.loss * (math.nan if kind == "nan" else 1e4))
+
+    model.register_forward_hook(inject)
+
+
+class AnomalyGuard:
+    """Applies the --on_anomaly policy to each step, and remembers which windows to step over."""
+
+    def __init__(self, policy: str, patience: int, max_rollbacks: int, lr_factor: float):
+        self.policy = policy
+        self.detector = AnomalyDetector(patience=patience)
+        self.max_rollbacks = max_rollbacks
+        self.lr_factor = lr_factor
+        self.rollbacks = 0
+        self.lr_scale = 1.0
+        self.skip_windows: set[tuple[int, int]] = set()  # (epoch, cursor at the window's start)
+
+    def verdict(self, step: int, loss: float, grad_norm: float,
+                gradients_finite_expected: bool) -> tuple[StepAction, str]:
+        """(action, reason). `gradients_finite_expected` is False under fp16 GradScaler, where an
+        inf gradient is routine (the scaler skips that step and lowers its scale by itself)."""
+        if not gradients_finite_expected and math.isfinite(loss) and not math.isfinite(grad_norm):
+            return StepAction.APPLY, ""
+        reason = self.detector.check(step, loss, grad_norm)
+        if reason is None:
+            return StepAction.APPLY, ""
+        non_finite = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        if self.policy == "warn":
+            return (StepAction.SKIP if non_finite else StepAction.APPLY), reason
+        if self.policy == "rollback" and reason.startswith("plateau"):
+            return StepAction.STOP, reason + " (rolling back cannot cure a plateau)"
+        if self.policy == "rollback" and self.rollbacks >= self.max_rollbacks:
+            return StepAction.STOP, f"{reason}; giving up after {self.rollbacks} rollbacks (--max_rollbacks)"
+        return StepAction(self.policy), reason
+
+    def plan_rollback(self, epoch: int, window_start: int) -> None:
+        self.rollbacks += 1
+        self.lr_scale *= self.lr_factor
+        self.skip_windows.add((epoch, window_start))
+
+    def should_skip(self, epoch: int, window_start: int) -> bool:
+        return (epoch, window_start) in self.skip_windows
+
+    def state_dict(self) -> dict:
+        """Plain types, so it fits in a `weights_only=True` checkpoint."""
+        return {"detector": self.detector.state_dict(), "rollbacks": self.rollbacks, "lr_scale": self.lr_scale,
+                "skip_windows": sorted(list(w) for w in self.skip_windows)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue with a resumed run's memory; an older checkpoint without it starts afresh."""
+        if not state:
+            return
+        self.detector.load_state_dict(state["detector"])
+        self.rollbacks, self.lr_scale = int(state["rollbacks"]), float(state["lr_scale"])
+        self.skip_windows = {(int(epoch), int(start)) for epoch, start in state["skip_windows"]}
