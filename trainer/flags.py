@@ -26,6 +26,8 @@ def build_arg_parser(description: str, *, save_weight: str, from_weight: str, da
     a("--from_resume", type=int, default=0, choices=(0, 1), help="1: continue from the newest good checkpoint")
     a("--resume_path", default=None, help="resume from this kept checkpoint file instead of the newest")
     a("--keep_last", type=int, default=2, help="verified checkpoints to keep")
+    a("--async_save", type=int, default=1, choices=(0, 1),
+      help="1: copy the state to CPU memory and write it in a background thread; 0: write before continuing")
     a("--epochs", type=int, default=epochs)
     a("--batch_size", type=int, default=32, help="micro-batch per rank")
     a("--accumulation_steps", type=int, default=1)

@@ -30,6 +30,8 @@ from model.hf import export_hf
 from model.model import CausalLM
 from model.tokenizer import load_tokenizer
 from trainer import callbacks as cb
+from trainer.background_save import BackgroundSaver
+from trainer.checkpoint_io import CheckpointError
 from trainer.anomaly import AnomalyGuard, AnomalyStop, StepAction, install_debug_injection
 from trainer.data_order import IndexedDataset, SkipBatchSampler, epoch_order, step_in_epoch, steps_in_epoch, steps_left
 from trainer.flags import lm_config_from_args
@@ -58,6 +60,7 @@ class RunContext:
     global_batch: int
     fingerprint: dict
     guard: AnomalyGuard
+    saver: BackgroundSaver | None  # rank 0 with --async_save 1: writes checkpoints in a thread
     val_dataset: object = None
     callbacks: cb.CallbackList = None
     epoch: int = 0
@@ -92,6 +95,7 @@ class StepResult:
     record: dict          # the --save_debug_train_output line: samples, losses, grad norm, lr
     tokens: int = 0       # input tokens of the global batch, for tokens/s
     stop_requested: bool = False
+    save_failed: bool = False  # rank 0's background save failed: every rank stops
     anomaly: str = ""
 
 
@@ -125,8 +129,9 @@ def run_training(args, make_dataset) -> None:
     model.to(dist_info.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.01, fused=use_cuda)
     guard = AnomalyGuard(args.on_anomaly, args.patience, args.max_rollbacks, args.rollback_lr_factor)
+    saver = BackgroundSaver(pin_memory=use_cuda) if args.async_save and dist_info.is_main else None
     run = RunContext(args, dist_info, log, lm_config, dataset, model, optimizer, scaler, autocast,
-                     accumulation, global_batch, data_fingerprint(dataset.source), guard, val_dataset)
+                     accumulation, global_batch, data_fingerprint(dataset.source), guard, saver, val_dataset)
     install_debug_injection(model, args.debug_inject, current_step=lambda: run.global_step + 1)
     log(f"{lm_config.hidden_size}x{lm_config.num_hidden_layers} model, {unwrap(model).num_parameters() / 1e6:.2f}M "
         f"params; {len(dataset)} samples; global batch {global_batch} = {args.batch_size} x "
@@ -152,7 +157,10 @@ def run_training(args, make_dataset) -> None:
         while run.epoch < args.epochs and status in ("completed", "rolled back"):
             status = train_epoch(run)
         status = "completed" if status == "rolled back" else status
+        finish_saves(run)
     except BaseException as error:
+        if run.saver is not None:  # let an in-flight save complete; the error at hand is what we report
+            run.saver.wait(raise_error=False)
         run.callbacks.fire("on_train_end", run, "failed")
         if isinstance(error, AnomalyStop):
             log(f"stopping on anomaly: {error}. The newest checkpoint in {args.checkpoint_dir} is from before it.")
@@ -163,6 +171,9 @@ def run_training(args, make_dataset) -> None:
 
     # 9. Cleanup.
     run.callbacks.fire("on_train_end", run, status)
+    blocked, saves = run.meter.get("save_blocked_s", 0.0), run.meter.get("saves", 0)
+    log(f"{saves} saves blocked training for {blocked:.3f} s "
+        f"({100 * blocked / max(time.perf_counter() - run.meter['start'], 1e-9):.2f}% of this run's time)")
     if status == "stopped":
         reason = run.stop_signal or f"--max_steps {args.max_steps} reached"
         log(f"stopped at step {run.global_step} ({reason}); checkpoint saved. To continue: "
@@ -252,6 +263,8 @@ def train_epoch(run: RunContext) -> str:
             result = skip_window(run, micro_batches)
         else:
             result = train_step(run, micro_batches, window)
+        if result.save_failed:
+            finish_saves(run)  # raises on every rank, rank 0 with the writer's error
         if result.action == StepAction.ROLLBACK:
             roll_back(run, result.anomaly)
             return "rolled back"
@@ -316,14 +329,16 @@ def train_step(run: RunContext, micro_batches: list, window: int) -> StepResult:
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
     # One small all-reduce: the global loss sum, whether any rank was asked to stop, input tokens.
     input_tokens = sum(x.numel() for _, x, _ in batches)
-    flags = torch.tensor([float(run.stop_signal is not None), float(input_tokens)], dtype=torch.float64)
+    save_failed = run.saver is not None and run.saver.failed
+    flags = torch.tensor([float(run.stop_signal is not None), float(input_tokens), float(save_failed)],
+                         dtype=torch.float64)
     shared = torch.cat([loss_sum.view(1), flags.to(device, non_blocking=True)])
     local_loss_sum = loss_sum.clone()
     if dist.is_initialized():
         dist.all_reduce(shared)
     numbers = torch.cat([shared, global_tokens.view(1), local_loss_sum.view(1), local_tokens.view(1),
                          grad_norm.detach().double().view(1)]).tolist()  # the step's one device sync
-    loss_total, stop_flag, tokens, total_tokens, local_loss, local_count, grad_norm_value = numbers
+    loss_total, stop_flag, tokens, save_failed_flag, total_tokens, local_loss, local_count, grad_norm_value = numbers
     global_loss = loss_total / max(total_tokens, 1.0)
     action, reason = run.guard.verdict(step, global_loss, grad_norm_value, not run.scaler.is_enabled())
     if reason:
@@ -340,7 +355,7 @@ def train_step(run: RunContext, micro_batches: list, window: int) -> StepResult:
               "grad_norm": grad_norm_value, "lr": lr}
     if action != StepAction.APPLY:
         record.update(skipped=True, skipped_samples=trained, anomaly=reason)
-    return StepResult(action, record, int(tokens), stop_flag > 0, reason)
+    return StepResult(action, record, int(tokens), stop_flag > 0, save_failed_flag > 0, reason)
 
 
 def skip_window(run: RunContext, micro_batches: list) -> StepResult:
@@ -357,6 +372,7 @@ def skip_window(run: RunContext, micro_batches: list) -> StepResult:
 def roll_back(run: RunContext, reason: str) -> None:
     """Return to the newest good checkpoint and arrange to step over the window that went wrong."""
     bad_epoch, bad_window_start = run.epoch, run.samples_consumed
+    finish_saves(run)  # the newest checkpoint must be complete before we look for it
     state = load_checkpoint_state(run)
     if state is None:
         raise AnomalyStop(f"{reason}; no checkpoint to roll back to yet (lower --save_interval)")
@@ -366,6 +382,23 @@ def roll_back(run: RunContext, reason: str) -> None:
             f"({state['resumed_from']}); will skip the batch window at sample {bad_window_start} of epoch "
             f"{bad_epoch + 1}; lr scale now {run.guard.lr_scale:g}")
     run.callbacks.fire("on_rollback", run, run.global_step)
+
+
+def finish_saves(run: RunContext) -> None:
+    """Wait for the save in flight; if it failed, every rank raises (rank 0 with the writer's error)."""
+    error = None
+    if run.saver is not None:
+        try:
+            run.saver.wait()
+        except Exception as caught:  # re-raised below, after the other ranks know
+            error = caught
+    failed = [error is not None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(failed, src=0)
+    if error is not None:
+        raise error
+    if failed[0]:
+        raise CheckpointError("rank 0 could not write the checkpoint (see its error); the previous one is intact")
 
 
 def log_metrics(run: RunContext, record: dict) -> None:
@@ -378,6 +411,7 @@ def log_metrics(run: RunContext, record: dict) -> None:
     metrics = {"step": record["step"], "epoch": record["epoch"], "samples_consumed": run.samples_consumed,
                "loss": record["global_loss"], "lr": record["lr"], "grad_norm": record["grad_norm"],
                "tokens_per_s": tokens / max(since, 1e-9), "step_time_s": since / max(steps, 1),
+               "save_blocked_s": run.meter.get("save_blocked_s", 0.0),
                "eta_s": run.steps_remaining() * (now - run.meter["start"]) / max(run.steps_this_invocation, 1)}
     if run.dist.device.type == "cuda":
         metrics["peak_mem_GiB"] = torch.cuda.max_memory_allocated() / 2**30
@@ -398,13 +432,17 @@ def run_validation(run: RunContext) -> None:
 
 
 def save_checkpoint(run: RunContext, lr: float) -> None:
+    """Save at this step boundary; only the time it blocks training is counted (the write may go on)."""
+    started = time.perf_counter()
     lm_checkpoint(run.lm_config, weight=run.args.save_weight, model=run.model, optimizer=run.optimizer,
                   epoch=run.epoch, step=step_in_epoch(len(run.dataset), run.samples_consumed, run.global_batch),
                   wandb=run.tracker_runs.get("wandb"), save_dir=run.args.save_dir,
                   checkpoint_dir=run.args.checkpoint_dir, samples_consumed=run.samples_consumed,
                   global_step=run.global_step, scaler=run.scaler, lr=lr, train_args=run.train_args(),
                   data_fingerprint=run.fingerprint, anomaly_state=run.guard.state_dict(),
-                  keep_last=run.args.keep_last, swanlab=run.tracker_runs.get("swanlab"))
+                  keep_last=run.args.keep_last, swanlab=run.tracker_runs.get("swanlab"), saver=run.saver)
+    run.meter["save_blocked_s"] = run.meter.get("save_blocked_s", 0.0) + time.perf_counter() - started
+    run.meter["saves"] = run.meter.get("saves", 0) + 1
     if run.args.save_hf and run.dist.is_main:
         hf_dir = Path(run.args.save_dir) / f"{run_name(run.args.save_weight, run.lm_config)}_hf"
         export_hf(unwrap(run.model).state_dict(), run.lm_config, hf_dir, run.args.tokenizer_path)

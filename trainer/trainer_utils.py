@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from model.model import LMConfig
 from trainer import checkpoint_io
+from trainer.background_save import BackgroundSaver, StateSnapshot
 # SkipBatchSampler is re-exported here because minimind's readers look for it in trainer_utils.
 from trainer.data_order import SkipBatchSampler, step_in_epoch  # noqa: F401
 
@@ -260,11 +261,12 @@ def lm_checkpoint(lm_config: LMConfig, weight: str = "full_sft", model=None, opt
                   samples_consumed: int = 0, global_step: int = 0, scaler=None, lr: float = 0.0,
                   train_args: dict | None = None, data_fingerprint: dict | None = None,
                   anomaly_state: dict | None = None, keep_last: int = 2, swanlab=None,
-                  resume_path: str | None = None, num_samples: int | None = None,
+                  saver: BackgroundSaver | None = None, resume_path: str | None = None, num_samples: int | None = None,
                   global_batch: int | None = None, log=print) -> dict | None:
     """Save a checkpoint (when `model` is given) or load the newest good one (when it is not).
 
-    Saving must be called on every rank (it gathers each rank's RNG state); rank 0 writes. The
+    Saving must be called on every rank (it gathers each rank's RNG state); rank 0 writes, in the
+    background when a `saver` is given (only the copy to CPU memory blocks). The
     positional parameters are minimind's; the keywords after `*` are what exact resume adds.
     `samples_consumed` is the data position; `step` (optimizer steps into the epoch) is only a
     label derived from it for the current global batch.
@@ -286,13 +288,12 @@ def lm_checkpoint(lm_config: LMConfig, weight: str = "full_sft", model=None, opt
         dist.all_gather_object(rng_states, capture_rng_state())
     error = None
     if not dist.is_initialized() or dist.get_rank() == 0:
-        model = unwrap(model)
         try:
-            _write_inference_weights(model, Path(save_dir) / f"{files.name}.pth")
+            model = unwrap(model)
             # What a `_resume.pth` holds: everything the next optimizer step depends on.
             state = {
                 "format_version": 1,
-                "model": cast_state_dict(model.state_dict(), torch.float32),  # FP32 master weights
+                "model": model.state_dict(),  # FP32 master weights (the out/ file gets an FP16 copy)
                 "optimizer": optimizer.state_dict(),
                 "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
                 "epoch": epoch, "step": step, "global_step": global_step,
@@ -305,7 +306,13 @@ def lm_checkpoint(lm_config: LMConfig, weight: str = "full_sft", model=None, opt
                 "tracker_ids": {"wandb": _tracker_id(wandb, "wandb"), "swanlab": _tracker_id(swanlab, "swanlab")},
             }
             info = {"epoch": epoch, "global_step": global_step, "samples_consumed": samples_consumed}
-            checkpoint_io.save_verified(files, state, global_step, keep_last, info)
+            out_path = Path(save_dir) / f"{files.name}.pth"
+            if saver is None:  # synchronous: copy, write, verify, rotate, then return
+                write_checkpoint_files(files, out_path, StateSnapshot(pin_memory=False).take(state), keep_last, info)
+            else:  # background: only the copy to CPU memory blocks training
+                saver.wait()  # at most one save in flight; its buffers are about to be reused
+                snapshot = saver.snapshot.take(state)
+                saver.submit(lambda: write_checkpoint_files(files, out_path, snapshot, keep_last, info))
         except Exception as caught:  # re-raised below, after telling the other ranks to stop too
             error = caught
     if dist.is_initialized():  # every rank must stop together if rank 0 could not save
@@ -318,14 +325,16 @@ def lm_checkpoint(lm_config: LMConfig, weight: str = "full_sft", model=None, opt
     return None
 
 
-def _write_inference_weights(model: torch.nn.Module, path: Path) -> None:
-    """`out/{run}.pth`: the FP16 state dict, atomically replaced."""
-    weights = cast_state_dict(model.state_dict(), torch.float16)
-    path.parent.mkdir(parents=True, exist_ok=True)
+def write_checkpoint_files(files: checkpoint_io.RunFiles, out_path: Path, state: dict, keep_last: int,
+                           info: dict) -> None:
+    """Write `out/{run}.pth` (FP16) and the verified resume checkpoint from a CPU copy of the state."""
+    weights = cast_state_dict(state["model"], torch.float16)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        checkpoint_io.atomic_write(path, lambda f: torch.save(weights, f))
+        checkpoint_io.atomic_write(out_path, lambda f: torch.save(weights, f))
     except OSError as error:
-        raise checkpoint_io.CheckpointError(f"could not write {path}: {error}") from error
+        raise checkpoint_io.CheckpointError(f"could not write {out_path}: {error}") from error
+    checkpoint_io.save_verified(files, state, info["global_step"], keep_last, info)
 
 
 def _load_resume_state(files: checkpoint_io.RunFiles, resume_path: str | None, log) -> dict | None:

@@ -6,12 +6,14 @@ PYTHONPATH, and Python imports `sitecustomize` at start-up. With the variables u
     FAULT_STEP_DELAY_S  sleep after each optimizer step (`train_loop.train_step`)
     FAULT_SAVE_DELAY_S  sleep at each stage of a checkpoint save: before the bytes of a file are
                         written (a kill leaves an empty temp file), before a manifest or pointer is
-                        written (a history file without manifest), before verification (no link yet)
+                        written (a history file without manifest), before the written file is checked (no link yet)
+    FAULT_DISK_FULL_AT_STEP  writing the history file of that step fails with ENOSPC, as on a full disk
 
 The patches are applied when the trainer's modules are imported (the scripts make the repository
 importable only after start-up), through an import hook that runs the module, then wraps its functions.
 """
 
+import errno
 import functools
 import importlib.abc
 import importlib.machinery
@@ -21,6 +23,7 @@ import time
 
 STEP_DELAY = float(os.environ.get("FAULT_STEP_DELAY_S", "0") or 0)
 SAVE_DELAY = float(os.environ.get("FAULT_SAVE_DELAY_S", "0") or 0)
+DISK_FULL_AT_STEP = os.environ.get("FAULT_DISK_FULL_AT_STEP")
 
 
 def sleep_before(function, seconds: float):
@@ -47,20 +50,27 @@ def patch_train_loop(module) -> None:
 def patch_checkpoint_io(module) -> None:
     stage = SAVE_DELAY / 4
     atomic_write = module.atomic_write
+    full_disk_name = f"step_{int(DISK_FULL_AT_STEP):08d}.pth" if DISK_FULL_AT_STEP else None
+
+    def disk_full(file):
+        file.write(b"x" * 100)  # some bytes land, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
 
     @functools.wraps(atomic_write)
     def slow_atomic_write(path, write):
+        if path.name == full_disk_name:
+            write = disk_full
         return atomic_write(path, sleep_before(write, stage))  # the temp file is open and still empty
 
     module.atomic_write = slow_atomic_write
     module.atomic_write_text = sleep_before(module.atomic_write_text, stage)
-    module.verify = sleep_before(module.verify, stage)
+    module.check_written = sleep_before(module.check_written, stage)
 
 
 PATCHES = {}
 if STEP_DELAY > 0:
     PATCHES["trainer.train_loop"] = patch_train_loop
-if SAVE_DELAY > 0:
+if SAVE_DELAY > 0 or DISK_FULL_AT_STEP:
     PATCHES["trainer.checkpoint_io"] = patch_checkpoint_io
 
 
