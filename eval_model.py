@@ -1,25 +1,31 @@
 """Talk to a trained model, or measure how often it gives exactly the expected answer.
 
-The `out/*.pth` weights hold no config, so pass the size flags the model was trained with:
+Every size of the model is read from the `out/*.pth` weights (ours or minimind's), so no size
+flags are needed; flags given are checked against the file, and --hidden_size / --use_moe pick a
+file when --save_dir holds several of one --weight:
 
     # interactive chat (multi-turn; /reset clears the history, an empty line or Ctrl-D quits)
-    python eval_model.py --weight full_sft --hidden_size 128 --num_hidden_layers 4
+    python eval_model.py --weight full_sft
     # one answer
-    python eval_model.py --weight full_sft --hidden_size 128 --num_hidden_layers 4 --prompt "What is 2+3?"
+    python eval_model.py --weight full_sft --prompt "What is 2+3?"
     # continue raw text with a pretrained (not chat-trained) model
-    python eval_model.py --weight pretrain --hidden_size 128 --num_hidden_layers 4 --prompt "Once upon"
+    python eval_model.py --weight pretrain --prompt "Once upon"
     # exact-match accuracy on held-out conversations (greedy decoding)
-    python eval_model.py --weight full_sft --hidden_size 128 --num_hidden_layers 4 \\
-        --eval dataset/sft_demo_eval.jsonl --verbose
+    python eval_model.py --weight full_sft --eval dataset/sft_demo_eval.jsonl --verbose
+    # an MoE file: the top-k is the one size the weights cannot tell (default 1, as in minimind)
+    python eval_model.py --weight full_sft --use_moe 1 --num_experts_per_tok 1
 
 The eval file uses the SFT format; the last message of each conversation must be the assistant's
-reference answer. Everything before it is the prompt, rendered as ChatML exactly as in training.
+reference answer. Everything before it is the prompt, rendered by dataset/chat_format.py exactly as
+in training; the model's answer is what it writes after its <think>...</think> block.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Callable, TextIO
@@ -27,53 +33,71 @@ from typing import Callable, TextIO
 import torch
 from tokenizers import Tokenizer
 
-from dataset.lm_dataset import BOS_ID, EOS_ID, format_chatml, load_tokenizer
+from dataset.chat_format import ChatEncoder, parse_conversation, render_segments
+from model.hf import load_project_weights
 from model.model import CausalLM
-from scripts.inspect_checkpoint import infer_sizes, size_flags
-from trainer.trainer_utils import lm_config_from_args, run_name
+from model.tokenizer import BOS_ID, EOS_ID, load_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent
 
 
 # ---- loading --------------------------------------------------------------------------------
 
+# The size flags: each defaults to None, "read it from the weights".
+SIZE_FLAGS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "use_moe",
+              "intermediate_size", "num_experts", "num_experts_per_tok")
+
+
 def load_model(args: argparse.Namespace, tokenizer: Tokenizer, device: torch.device) -> CausalLM:
-    """Build the model from the size flags and load `{save_dir}/{weight}_{hidden}[_moe].pth` strictly."""
-    lm_config = lm_config_from_args(args, tokenizer.get_vocab_size())
-    path = Path(args.save_dir) / f"{run_name(args.weight, lm_config)}.pth"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: train that stage first, or check --weight, "
-                                f"--hidden_size, --use_moe and --save_dir")
-    weights = torch.load(path, map_location="cpu", weights_only=True)
-    model = CausalLM(lm_config)
+    """Load `{save_dir}/{weight}_{hidden}[_moe].pth` strictly, its sizes read from the weights.
+
+    Raises FileNotFoundError when no file matches, RuntimeError when several do or when the file
+    does not fit the size flags given or the tokenizer; the message says what to change.
+    """
+    path = find_weight_file(Path(args.save_dir), args.weight, args.hidden_size, args.use_moe)
+    requested = {name: getattr(args, name) for name in SIZE_FLAGS}
     try:
-        model.load_state_dict(weights, strict=True)
-    except RuntimeError as error:
-        # The file has no config of its own, so a wrong size flag is the usual cause: say which
-        # sizes the tensors imply, and keep only the head of torch's (very long) key listing.
-        raise RuntimeError(
-            f"{path} does not fit the model built from the flags; pass the sizes it was trained with "
-            f"and the tokenizer it was trained with (this one has {lm_config.vocab_size} tokens). "
-            f"{_sizes_hint(weights)}\n" + "\n".join(line[:240] + (" ..." if len(line) > 240 else "")
-                                         for line in str(error).splitlines()[:4])) from None
+        weights, lm_config = load_project_weights(path, requested, tokenizer.get_vocab_size())
+    except ValueError as error:  # same message; RuntimeError is this function's "cannot load it"
+        raise RuntimeError(str(error)) from None
+    model = CausalLM(lm_config)
+    model.load_state_dict(weights, strict=True)
     # FP16 is what the file stores and halves GPU memory; the CPU computes in FP32 (FP16 there is slow).
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     return model.to(device=device, dtype=dtype).eval()
 
 
-def _sizes_hint(weights: dict[str, torch.Tensor]) -> str:
-    try:
-        sizes = infer_sizes(weights)
-    except (KeyError, IndexError):
-        return "The file does not look like this project's layout."
-    return f"The file's shapes say: {size_flags(sizes)} (vocab {sizes['vocab_size']})."
+def find_weight_file(save_dir: Path, weight: str, hidden_size: int | None, use_moe: int | None) -> Path:
+    """The one `{weight}_{hidden}[_moe].pth` in `save_dir` that fits the --hidden_size / --use_moe given."""
+    name = re.compile(rf"{re.escape(weight)}_(\d+)(_moe)?\.pth")
+    candidates = []
+    for path in sorted(save_dir.glob(f"{weight}_*.pth")):
+        match = name.fullmatch(path.name)
+        if (match and (hidden_size is None or int(match.group(1)) == hidden_size)
+                and (use_moe is None or bool(match.group(2)) == bool(use_moe))):
+            candidates.append(path)
+    if len(candidates) == 1:
+        return candidates[0]
+    wanted = f"{weight}_{hidden_size or '*'}{ {None: '[_moe]', 0: '', 1: '_moe'}[use_moe] }.pth"
+    if not candidates:
+        present = ", ".join(p.name for p in sorted(save_dir.glob("*.pth"))) or "none"
+        raise FileNotFoundError(f"no {wanted} in {save_dir} (there: {present}): train that stage first, or "
+                                f"check --weight, --hidden_size, --use_moe and --save_dir")
+    raise RuntimeError(f"{save_dir} holds several {weight} weights ({', '.join(p.name for p in candidates)}): "
+                       f"pass --hidden_size (and --use_moe) to choose one")
 
 
 # ---- generation -----------------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=4)
+def chat_encoder(tokenizer: Tokenizer) -> ChatEncoder:
+    """The ChatEncoder of `tokenizer`, made once per tokenizer (it copies the tokenizer)."""
+    return ChatEncoder(tokenizer)
+
+
 def generate_text(model: CausalLM, tokenizer: Tokenizer, prompt_ids: list[int], max_new_tokens: int,
                   temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0) -> str:
-    """Decode what the model writes after `prompt_ids`, stopping at <|im_end|>."""
+    """Decode what the model writes after `prompt_ids`, stopping at <|im_end|>; tags like <think> stay."""
     device = next(model.parameters()).device
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     # eos must be passed explicitly: generate's default (None) never stops early.
@@ -82,12 +106,22 @@ def generate_text(model: CausalLM, tokenizer: Tokenizer, prompt_ids: list[int], 
     new_ids = out[0, len(prompt_ids):].tolist()
     if EOS_ID in new_ids:
         new_ids = new_ids[:new_ids.index(EOS_ID)]
-    return tokenizer.decode(new_ids, skip_special_tokens=True)
+    return chat_encoder(tokenizer).decode(new_ids)
 
 
-def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """ChatML ids with an open assistant turn; the same ids SFTDataset builds for these messages."""
-    return tokenizer.encode(format_chatml(messages, add_generation_prompt=True)).ids
+def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict]) -> list[int]:
+    """Ids of `messages` and an open assistant turn: what SFTDataset builds before that turn's answer."""
+    ids, _ = chat_encoder(tokenizer).encode(render_segments(messages, add_generation_prompt=True))
+    return ids
+
+
+def answer_from_generation(text: str) -> str:
+    """The answer in a chat model's output: what follows its <think>...</think> block, if it wrote one."""
+    if "</think>" in text:
+        return text.split("</think>")[-1].lstrip("\n")
+    if text.lstrip().startswith("<think>"):
+        return ""  # cut off by --max_new_tokens while still thinking: no answer yet
+    return text
 
 
 def raw_prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
@@ -98,17 +132,19 @@ def raw_prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
 # ---- exact-match evaluation -----------------------------------------------------------------
 
 def answers_match(generated: str, reference: str) -> bool:
-    """Exact match after stripping surrounding whitespace (the model may end with a newline)."""
-    return generated.strip() == reference.strip()
+    """Exact match of the answer after the think block, ignoring surrounding whitespace."""
+    return answer_from_generation(generated).strip() == reference.strip()
 
 
-def split_eval_record(record: dict) -> tuple[list[dict[str, str]], str]:
-    """(prompt messages, reference answer) of one SFT-format eval record."""
+def split_eval_record(record: dict) -> tuple[list[dict], str]:
+    """(prompt messages, reference answer) of one SFT-format eval record; the schema is checked."""
     conversation = record.get("conversations")
-    if not conversation or conversation[-1].get("role") != "assistant":
+    if not isinstance(conversation, list) or not conversation or not isinstance(conversation[-1], dict) \
+            or conversation[-1].get("role") != "assistant":
         raise ValueError("each eval record needs a 'conversations' list ending with the assistant's "
                          "reference answer")
-    return conversation[:-1], conversation[-1]["content"]
+    # The parsed message: a reference written as "<think>...</think>answer" compares by its answer.
+    return conversation[:-1], parse_conversation(conversation).messages[-1].content
 
 
 def evaluate_exact_match(model: CausalLM, tokenizer: Tokenizer, records: list[dict], max_new_tokens: int = 64,
@@ -117,12 +153,13 @@ def evaluate_exact_match(model: CausalLM, tokenizer: Tokenizer, records: list[di
     correct = 0
     for n, record in enumerate(records, start=1):
         messages, reference = split_eval_record(record)
-        answer = generate_text(model, tokenizer, chat_prompt_ids(tokenizer, messages), max_new_tokens)
-        if answers_match(answer, reference):
+        generated = generate_text(model, tokenizer, chat_prompt_ids(tokenizer, messages), max_new_tokens)
+        if answers_match(generated, reference):
             correct += 1
         elif log is not None:
             question = messages[-1]["content"] if messages else ""
-            log(f"#{n}: {question!r} -> got {answer.strip()!r}, expected {reference.strip()!r}")
+            answer = answer_from_generation(generated).strip()
+            log(f"#{n}: {question!r} -> got {answer!r}, expected {reference.strip()!r}")
     return correct, len(records)
 
 
@@ -162,8 +199,9 @@ def chat_loop(model: CausalLM, tokenizer: Tokenizer, args: argparse.Namespace, r
             print(prompt + answer, flush=True)
             continue
         history.append({"role": "user", "content": prompt})
-        answer = generate_text(model, tokenizer, chat_prompt_ids(tokenizer, history), args.max_new_tokens,
-                               args.temperature, args.top_p, args.top_k)
+        answer = answer_from_generation(generate_text(model, tokenizer, chat_prompt_ids(tokenizer, history),
+                                                      args.max_new_tokens, args.temperature, args.top_p,
+                                                      args.top_k))
         history.append({"role": "assistant", "content": answer})
         print(answer, flush=True)
 
@@ -176,11 +214,11 @@ def build_arg_parser() -> argparse.ArgumentParser:
     a("--weight", default="full_sft", help="name prefix of the weights, e.g. pretrain or full_sft")
     a("--save_dir", default=str(REPO_ROOT / "out"))
     a("--tokenizer_path", default=str(REPO_ROOT / "model" / "tokenizer.json"))
-    a("--hidden_size", type=int, default=512)
-    a("--num_hidden_layers", type=int, default=8)
-    a("--num_attention_heads", type=int, default=8)
-    a("--num_key_value_heads", type=int, default=4)
-    a("--use_moe", type=int, default=0, choices=(0, 1))
+    # Size flags: optional, read from the weights; one given must match the file.
+    for name in SIZE_FLAGS:
+        a(f"--{name}", type=int, default=None, **({"choices": (0, 1)} if name == "use_moe" else {}),
+          help="default: from the weights" + (" (MoE top-k: the file cannot tell; model default 1)"
+                                              if name == "num_experts_per_tok" else ""))
     a("--prompt", default=None, help="answer this once and exit")
     a("--eval", default=None, help="SFT-format JSONL: report exact-match accuracy of greedy answers")
     a("--verbose", action="store_true", help="with --eval: print every wrong answer")
@@ -219,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": args.prompt}])
         answer = generate_text(model, tokenizer, ids, args.max_new_tokens, args.temperature, args.top_p,
                                args.top_k)
-        print(args.prompt + answer if raw_text else answer, flush=True)
+        print(args.prompt + answer if raw_text else answer_from_generation(answer), flush=True)
     else:
         chat_loop(model, tokenizer, args, raw_text)
     return 0

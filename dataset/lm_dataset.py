@@ -5,6 +5,8 @@ Data formats, one JSON object per line:
     pretrain: {"text": "..."}
     SFT:      {"conversations": [{"role": "user", "content": "..."},
                                  {"role": "assistant", "content": "..."}]}
+              (minimind's full schema: system tools, reasoning_content, tool_calls and the
+              tool role are described in dataset/chat_format.py)
 
 Every item is a pair ``(input_ids, labels)`` of length ``max_seq_len``. Labels are
 aligned with the inputs (the model shifts them by one internally) and are -100
@@ -18,21 +20,36 @@ run before training starts rather than hours into it.
 
 from __future__ import annotations
 
-import json
 import os
-from array import array
-from typing import Any, Callable
+import random
 
 import torch
 from tokenizers import Tokenizer
 from torch.utils.data import Dataset
+
+from dataset.chat_format import ChatEncoder, parse_conversation, render_segments
+from dataset.chat_format import text_only_copy as _text_only_copy
+from dataset.jsonl_file import JsonlFile
 
 SPECIAL_TOKENS = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
 PAD_ID = SPECIAL_TOKENS["<|endoftext|>"]
 BOS_ID = SPECIAL_TOKENS["<|im_start|>"]
 EOS_ID = SPECIAL_TOKENS["<|im_end|>"]
 IGNORE_INDEX = -100  # the default ignore_index of torch.nn.functional.cross_entropy
-CHAT_ROLES = ("system", "user", "assistant")
+# For SFTDataset's optional system-prompt augmentation (minimind adds one to some conversations
+# so that the model answers the same with or without a system message).
+SYSTEM_PROMPTS = (
+    "You are a helpful assistant.",
+    "You are a small language model. Answer accurately and briefly.",
+    "You are a friendly assistant. Read the question carefully, then answer it.",
+    "You are a knowledgeable assistant; give correct and useful answers.",
+    "Answer the user's question as well as you can.",
+    "你是一个乐于助人的助手。",
+    "你是一个小型语言模型，请准确、简洁地回答。",
+    "你是一个友好的助手，请认真读题后再回答。",
+    "你是一个知识丰富的助手，请给出正确而有用的回答。",
+    "请尽力回答用户的问题。",
+)
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
@@ -53,115 +70,16 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     return tokenizer
 
 
-def format_chatml(messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
-    """Render messages as ChatML text, optionally opening an assistant turn at the end."""
-    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-    if add_generation_prompt:
-        text += "<|im_start|>assistant\n"
-    return text
-
-
-class JsonlFile:
-    """Random access to the non-empty lines of a JSONL file, each parsed on demand.
-
-    Construction reads the file once: it records where each non-empty line starts,
-    checks that it is a JSON object and, if given, runs ``validate(record)``, which
-    should raise ValueError describing the problem. Only two int64 arrays are kept.
-    """
-
-    def __init__(self, path: str | os.PathLike, validate: Callable[[dict], None] | None = None):
-        self.path = str(path)
-        self.file_size = os.path.getsize(self.path)
-        self._offsets = array("q")
-        self._line_numbers = array("q")
-        with open(self.path, "rb") as f:
-            offset = 0
-            for line_number, line in enumerate(f, start=1):
-                if line.strip():
-                    record = self._parse(line, line_number)
-                    if validate is not None:
-                        try:
-                            validate(record)
-                        except ValueError as e:
-                            raise self._error(line_number, str(e)) from None
-                    self._offsets.append(offset)
-                    self._line_numbers.append(line_number)
-                offset += len(line)
-        self._handle = None
-        self._pid: int | None = None
-
-    def __len__(self) -> int:
-        return len(self._offsets)
-
-    def line_number(self, i: int) -> int:
-        """The 1-based line number in the file of record ``i``."""
-        return self._line_numbers[i]
-
-    def raw_line(self, i: int) -> bytes:
-        """The bytes of record ``i`` as stored, without the trailing newline."""
-        # A handle opened by a parent process shares its file position with the
-        # children after fork, so each process opens its own.
-        if self._handle is None or self._pid != os.getpid():
-            self._handle = open(self.path, "rb")
-            self._pid = os.getpid()
-        self._handle.seek(self._offsets[i])
-        return self._handle.readline().rstrip(b"\r\n")
-
-    def read(self, i: int) -> dict[str, Any]:
-        """Parse record ``i``."""
-        return self._parse(self.raw_line(i), self.line_number(i))
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Open files cannot be pickled (DataLoader workers under spawn); reopen lazily.
-        state = self.__dict__.copy()
-        state["_handle"], state["_pid"] = None, None
-        return state
-
-    def _parse(self, line: bytes, line_number: int) -> dict[str, Any]:
-        try:
-            record = json.loads(line)
-        except ValueError as e:  # also covers bytes that are not valid UTF-8
-            raise self._error(line_number, f"invalid JSON ({e})") from None
-        if not isinstance(record, dict):
-            raise self._error(line_number, f"expected a JSON object, got {type(record).__name__}")
-        return record
-
-    def _error(self, line_number: int, problem: str) -> ValueError:
-        return ValueError(
-            f"{self.path}, line {line_number}: {problem}. "
-            "Fix or delete this line, then start again."
-        )
-
-
 def _check_pretrain_record(record: dict) -> None:
     if not isinstance(record.get("text"), str):
         raise ValueError('expected a string field "text", e.g. {"text": "..."}')
 
 
 def _check_sft_record(record: dict) -> None:
-    conversation = record.get("conversations")
-    if not isinstance(conversation, list):
-        raise ValueError('expected a list field "conversations" of {"role", "content"} messages')
-    for n, message in enumerate(conversation, start=1):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
-                or not isinstance(message.get("content"), str):
-            raise ValueError(f'message {n} needs string fields "role" and "content"')
-        if message["role"] not in CHAT_ROLES:
-            raise ValueError(f"message {n} has unknown role {message['role']!r}; "
-                             f"allowed roles are {', '.join(CHAT_ROLES)}")
-    if not any(m["role"] == "assistant" for m in conversation):
+    """The checks of dataset/chat_format.parse_conversation, and at least one assistant turn."""
+    conversation = parse_conversation(record.get("conversations"))
+    if not any(m.role == "assistant" for m in conversation.messages):
         raise ValueError("the conversation has no assistant message, so nothing to learn from")
-
-
-def _text_only_copy(tokenizer: Tokenizer) -> Tokenizer:
-    """A copy that reads "<|im_end|>" inside data as plain characters, not as a special token.
-
-    Datasets insert special ids themselves, so text that happens to contain such a
-    string cannot break the ChatML structure or the loss mask.
-    """
-    copy = Tokenizer.from_str(tokenizer.to_str())
-    copy.encode_special_tokens = True
-    return copy
 
 
 def _pad(ids: list[int], labels: list[int], max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,7 +98,7 @@ class PretrainDataset(Dataset):
     """
 
     def __init__(self, data_path: str | os.PathLike, tokenizer: Tokenizer, max_seq_len: int):
-        self.source = JsonlFile(data_path, validate=_check_pretrain_record)
+        self.source = JsonlFile.shared(data_path, validate=_check_pretrain_record)
         self.tokenizer = _text_only_copy(tokenizer)
         self.max_seq_len = max_seq_len
 
@@ -194,39 +112,59 @@ class PretrainDataset(Dataset):
 
 
 class SFTDataset(Dataset):
-    """Conversations rendered as ChatML; the loss is taken only on what the assistant says.
+    """Conversations in minimind's chat format; the loss is taken only on what the assistant writes.
 
-    Each message becomes ``<|im_start|>{role}\\n{content}<|im_end|>\\n``. The ids are
-    built piece by piece so we know exactly which positions belong to assistant
-    content: those and the assistant's ``<|im_end|>`` (so the model learns to stop)
-    get labels; headers, system and user messages, the trailing newline and padding
-    get -100.
+    dataset/chat_format.py renders a conversation as segments and ChatEncoder turns them into
+    ids, so the labels cover exactly each assistant turn after its ``<|im_start|>assistant\\n``
+    header (think block, answer, tool calls, ``<|im_end|>\\n``); system, user and tool turns,
+    headers and padding get -100.
+
+    Two augmentations of minimind's, off by default. Each is drawn from a generator seeded by
+    (seed, epoch, sample index), so a resumed run, on any number of ranks, sees the same items:
+
+    - ``system_prompt_ratio``: that share of the conversations without a system message (and
+      without tools) gets one of SYSTEM_PROMPTS (minimind uses 0.2);
+    - ``drop_empty_think_ratio``: in that share of the conversations, think blocks without
+      reasoning are left out, so the model also sees answers without one (minimind uses 0.8).
     """
 
-    def __init__(self, data_path: str | os.PathLike, tokenizer: Tokenizer, max_seq_len: int):
-        self.source = JsonlFile(data_path, validate=_check_sft_record)
-        self.tokenizer = _text_only_copy(tokenizer)
+    def __init__(self, data_path: str | os.PathLike, tokenizer: Tokenizer, max_seq_len: int, *,
+                 system_prompt_ratio: float = 0.0, drop_empty_think_ratio: float = 0.0, seed: int = 0):
+        for name, ratio in (("system_prompt_ratio", system_prompt_ratio),
+                            ("drop_empty_think_ratio", drop_empty_think_ratio)):
+            if not 0.0 <= ratio <= 1.0:
+                raise ValueError(f"{name} is {ratio}; it is a probability, between 0 and 1")
+        self.source = JsonlFile.shared(data_path, validate=_check_sft_record)
+        self.encoder = ChatEncoder(tokenizer)
         self.max_seq_len = max_seq_len
-        self._newline_ids = self.tokenizer.encode("\n").ids
-        self._header_ids = {role: [BOS_ID] + self.tokenizer.encode(f"{role}\n").ids
-                            for role in CHAT_ROLES}
+        self.system_prompt_ratio = system_prompt_ratio
+        self.drop_empty_think_ratio = drop_empty_think_ratio
+        self.seed = seed
+        self.epoch = 0
 
     def __len__(self) -> int:
         return len(self.source)
 
-    def encode_conversation(self, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+    def set_epoch(self, epoch: int) -> None:
+        """The augmentations change with the epoch: call this before each epoch's DataLoader is made."""
+        self.epoch = epoch
+
+    def augment(self, messages: list[dict], index: int) -> tuple[list[dict], bool]:
+        """(messages, drop_empty_think) for sample `index` in this epoch; unchanged when the ratios are 0."""
+        # A string seed is hashed with SHA-512, so the draw is the same in every process and run.
+        rng = random.Random(f"sft-augment/{self.seed}/{self.epoch}/{index}")
+        has_tools = any(m.get("tools") for m in messages)
+        if messages[0].get("role") != "system" and not has_tools and rng.random() < self.system_prompt_ratio:
+            messages = [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}] + messages
+        return messages, rng.random() < self.drop_empty_think_ratio
+
+    def encode_conversation(self, messages: list[dict],
+                            drop_empty_think: bool = False) -> tuple[list[int], list[int]]:
         """Token ids and labels (not cut or padded) for one conversation."""
-        ids: list[int] = []
-        labels: list[int] = []
-        for message in messages:
-            header = self._header_ids[message["role"]]
-            body = self.tokenizer.encode(message["content"]).ids + [EOS_ID]
-            ids += header + body + self._newline_ids
-            labels += [IGNORE_INDEX] * len(header)
-            labels += body if message["role"] == "assistant" else [IGNORE_INDEX] * len(body)
-            labels += [IGNORE_INDEX] * len(self._newline_ids)
-        return ids, labels
+        ids, trained = self.encoder.encode(render_segments(messages, drop_empty_think=drop_empty_think))
+        return ids, [token if is_trained else IGNORE_INDEX for token, is_trained in zip(ids, trained)]
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, labels = self.encode_conversation(self.source.read(i)["conversations"])
+        messages, drop_empty_think = self.augment(self.source.read(i)["conversations"], i)
+        ids, labels = self.encode_conversation(messages, drop_empty_think)
         return _pad(ids, labels, self.max_seq_len)

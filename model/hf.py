@@ -6,36 +6,34 @@ template. The result loads with plain `transformers`, no custom code:
 
     AutoModelForCausalLM.from_pretrained("hf_model"); AutoTokenizer.from_pretrained("hf_model")
 
+A state dict's sizes are read off its tensors (`infer_sizes`, `config_from_weights`), so an
+out/*.pth file, ours or minimind's, loads with no size flags in eval_model.py, the trainers'
+--from_weight and the export; flags given are checked against the file.
+
 `scripts/export_hf.py` is the command line over these functions; the trainer's `--save_hf` and
 `eval_model.py` call them directly.
 """
 
 import json
+import pickle
 import re
 import shutil
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
+from dataset.chat_format import CHAT_TEMPLATE  # the training format, for apply_chat_template
 from model.model import CausalLM, LMConfig
 from model.tokenizer import BOS_ID, BOS_TOKEN, DEFAULT_TOKENIZER, EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
-# ChatML: every message is "<|im_start|>{role}\n{content}<|im_end|>\n"; a generation prompt opens
-# an assistant turn for the model to complete.
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
-
-
-def check_state_dict(state_dict: dict[str, torch.Tensor], lm_config: LMConfig) -> None:
-    """Raise ValueError unless `state_dict` has exactly the names and shapes of CausalLM(lm_config)."""
+def check_state_dict(state_dict: dict[str, torch.Tensor], lm_config: LMConfig,
+                     source: str = "the state dict") -> None:
+    """Raise ValueError naming `source` unless `state_dict` has the names and shapes of CausalLM(lm_config)."""
     with torch.device("meta"):  # shapes only, no memory
         expected = {name: t.shape for name, t in CausalLM(lm_config).state_dict().items()}
     missing = sorted(set(expected) - set(state_dict))
@@ -53,9 +51,7 @@ def check_state_dict(state_dict: dict[str, torch.Tensor], lm_config: LMConfig) -
     if wrong_shape:
         problems.append("shape mismatches: " + "; ".join(wrong_shape))
     if problems:
-        raise ValueError(
-            "the weights do not fit the model config (are the size flags right?)\n  " + "\n  ".join(problems)
-        )
+        raise ValueError(f"{source} does not fit the model config:\n  " + "\n  ".join(problems))
 
 
 def check_tokenizer(tokenizer_path: Path, lm_config: LMConfig) -> None:
@@ -228,56 +224,163 @@ def import_hf(hf_dir: str | Path) -> tuple[dict[str, torch.Tensor], LMConfig]:
     return state_dict, lm_config
 
 
-def load_project_weights(path: str | Path, size_flags: dict) -> tuple[dict[str, torch.Tensor], LMConfig]:
-    """Weights and config from an out/*.pth state dict (config from `size_flags`) or a resume file."""
-    saved = torch.load(path, map_location="cpu", weights_only=True)
-    given = {k: v for k, v in size_flags.items() if v is not None}
-    if isinstance(saved.get("model"), dict) and "lm_config" in saved:
-        lm_config = LMConfig.from_dict(saved["lm_config"])
-        stored = lm_config.to_dict()
-        conflicts = [f"--{k} {v} (file: {stored[k]})" for k, v in given.items() if stored[k] != v]
-        if conflicts:
-            raise ValueError(f"{path} is a resume file with its own config; flags that disagree: {', '.join(conflicts)}")
-        return saved["model"], lm_config
-    return saved, LMConfig(**given)
-
-
-# The sizes an out/*.pth does not record; the training scripts take the same flags.
-SIZE_FLAGS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size", "use_moe")
-
-
 def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
 
+# ---- sizes from weights -----------------------------------------------------------------------
+#
+# An out/*.pth file is a bare state dict (ours or minimind's: the names agree), so every size is
+# read off the tensor shapes. Size flags are then only overrides, checked against the file. The
+# one size no tensor records is the MoE top-k (num_experts_per_tok): it stays a flag.
 
-
-# ---- sizes from weights ----
-
+EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+# The sizes a caller may request (the size flags of the trainers, eval_model.py and export_hf).
+SIZE_NAMES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "use_moe", "intermediate_size", "num_experts", "num_experts_per_tok")
 
 
-def infer_sizes(state_dict: dict[str, torch.Tensor]) -> dict[str, int]:
-    """The size flags that rebuild this state dict, read off the tensor shapes."""
-    embed = state_dict["model.embed_tokens.weight"]
-    layers = {int(m.group(1)) for name in state_dict if (m := LAYER_KEY.match(name))}
-    head_dim = state_dict["model.layers.0.self_attn.q_norm.weight"].shape[0]
+class InferredSize(NamedTuple):
+    value: int
+    evidence: str  # where it was read, e.g. "model.layers.0.mlp.gate_proj.weight [2432, 768]"
+
+
+def _read_sizes(state_dict: dict[str, torch.Tensor], source: str) -> dict[str, InferredSize]:
+    """Every size of the model in `state_dict`, with the tensor each was read from."""
+
+    def shape(name: str) -> list[int]:
+        if name not in state_dict:
+            raise ValueError(f"{source} has no {name}: not a state dict of this model layout "
+                             f"(Qwen3 / minimind names such as {EMBED} are expected)")
+        return list(state_dict[name].shape)
+
+    def read(value: int, name: str, note: str = "") -> InferredSize:
+        return InferredSize(value, f"{name} {shape(name)}{note}")
+
+    vocab, hidden = shape(EMBED)
+    shape(LM_HEAD)  # present in every state dict, tied or not (minimind's too)
+    tied = torch.equal(state_dict[LM_HEAD], state_dict[EMBED])
+    layers = sorted({int(m.group(1)) for name in state_dict if (m := LAYER_KEY.match(name))})
+    if not layers or layers != list(range(len(layers))):
+        raise ValueError(f"{source}: the layers are numbered {layers[:12]}, expected model.layers.0 to N-1")
+    attn = "model.layers.0.self_attn."
+    head_dim = shape(attn + "q_norm.weight")[0]
+    heads, kv_heads = shape(attn + "q_proj.weight")[0], shape(attn + "k_proj.weight")[0]
+    if heads % head_dim or kv_heads % head_dim:
+        raise ValueError(f"{source}: q_proj ({heads} rows) and k_proj ({kv_heads} rows) are not whole "
+                         f"heads of head_dim {head_dim} (the length of q_norm)")
     # "model.layers.0.mlp.experts.3.gate_proj.weight": the expert number is the sixth part.
-    experts = {name.split(".")[5] for name in state_dict if name.startswith("model.layers.0.mlp.experts.")}
+    experts = {int(name.split(".")[5]) for name in state_dict if name.startswith("model.layers.0.mlp.experts.")}
+    gate_proj = "model.layers.0.mlp.experts.0.gate_proj.weight" if experts else "model.layers.0.mlp.gate_proj.weight"
+    width = read(shape(gate_proj)[0], gate_proj)
     sizes = {
-        "vocab_size": embed.shape[0],
-        "hidden_size": embed.shape[1],
-        "num_hidden_layers": len(layers),
-        "num_attention_heads": state_dict["model.layers.0.self_attn.q_proj.weight"].shape[0] // head_dim,
-        "num_key_value_heads": state_dict["model.layers.0.self_attn.k_proj.weight"].shape[0] // head_dim,
-        "use_moe": int(bool(experts)),
+        "vocab_size": read(vocab, EMBED),
+        "hidden_size": read(hidden, EMBED),
+        "num_hidden_layers": InferredSize(len(layers), f"model.layers.0 to model.layers.{len(layers) - 1}"),
+        "num_attention_heads": read(heads // head_dim, attn + "q_proj.weight", f" / head_dim {head_dim}"),
+        "num_key_value_heads": read(kv_heads // head_dim, attn + "k_proj.weight", f" / head_dim {head_dim}"),
+        "head_dim": read(head_dim, attn + "q_norm.weight"),
+        "use_moe": InferredSize(int(bool(experts)), f"{len(experts)} experts in model.layers.0.mlp"),
+        # One flag, --intermediate_size, sets the width of the dense MLP or of every expert.
+        "intermediate_size": width,
+        "num_experts": InferredSize(len(experts), f"model.layers.0.mlp.experts.0 to .{len(experts) - 1}"
+                                    if experts else "a dense MLP, no experts"),
+        "tie_word_embeddings": InferredSize(int(tied), f"{LM_HEAD} {'equals' if tied else 'differs from'} {EMBED}"),
     }
     if experts:
-        sizes["num_experts"] = len(experts)
+        sizes["moe_intermediate_size"] = width
     return sizes
+
+
+def infer_sizes(state_dict: dict[str, torch.Tensor], source: str = "the state dict") -> dict[str, int]:
+    """Every size of the model in `state_dict`, read off the tensor shapes.
+
+    vocab, hidden, layers, heads, kv heads, head_dim, the MLP width (gate_proj; an expert's with
+    MoE), use_moe, num_experts and whether lm_head is tied. Not the MoE top-k: no tensor records
+    it. Raises ValueError naming `source` when the state dict is not this model's layout.
+    """
+    return {name: size.value for name, size in _read_sizes(state_dict, source).items()}
 
 
 def size_flags(sizes: dict[str, int]) -> str:
     """The command-line flags (of the trainers, eval_model.py, export_hf) for these sizes."""
-    names = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "use_moe")
+    names = ["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "use_moe",
+             "intermediate_size"] + (["num_experts"] if sizes["use_moe"] else [])
     return " ".join(f"--{name} {sizes[name]}" for name in names)
+
+
+def config_from_weights(state_dict: dict[str, torch.Tensor], requested: dict,
+                        tokenizer_vocab_size: int | None = None, source: str = "the state dict") -> LMConfig:
+    """The model config of `state_dict`, its sizes read from the weights.
+
+    `requested` maps size names (SIZE_NAMES) to what the user asked for, None for "not given".
+    A given size must equal the file's, else ValueError naming both, e.g. "intermediate_size: file
+    has 2432 (model.layers.0.mlp.gate_proj.weight [2432, 768]), --intermediate_size asks 2048".
+    num_experts_per_tok is taken from `requested` (no tensor records it), else LMConfig's default.
+    The tokenizer may be smaller than the embedding, never larger.
+    """
+    _check_size_names(requested)
+    sizes = _read_sizes(state_dict, source)
+    mismatches = [
+        f"{name}: file has {sizes[name].value} ({sizes[name].evidence}), --{name} asks {int(asked)}"
+        for name, asked in requested.items()
+        if asked is not None and name in sizes and int(asked) != sizes[name].value
+    ]
+    if mismatches:
+        values = {name: size.value for name, size in sizes.items()}
+        raise ValueError(f"{source} does not fit the size flags:\n  " + "\n  ".join(mismatches) +
+                         f"\nThe file's shapes say: {size_flags(values)}. Size flags are optional: "
+                         f"leave them out to use the file's.")
+    _check_tokenizer_fits(sizes["vocab_size"].value, tokenizer_vocab_size, source)
+    fields = {name: size.value for name, size in sizes.items()}
+    fields.update(use_moe=bool(fields["use_moe"]), tie_word_embeddings=bool(fields["tie_word_embeddings"]))
+    if not fields["use_moe"]:
+        del fields["num_experts"]  # 0 experts: keep LMConfig's default, unused by a dense model
+    if requested.get("num_experts_per_tok") is not None:
+        fields["num_experts_per_tok"] = requested["num_experts_per_tok"]
+    lm_config = LMConfig(**fields)
+    check_state_dict(state_dict, lm_config, source)  # every layer, not only the first one read above
+    return lm_config
+
+
+def load_project_weights(path: str | Path, requested: dict,
+                         tokenizer_vocab_size: int | None = None) -> tuple[dict[str, torch.Tensor], LMConfig]:
+    """Weights and config of an out/*.pth state dict (sizes from the weights) or of a resume file.
+
+    `requested` and `tokenizer_vocab_size` are checked as in config_from_weights; a resume file's
+    saved config (top-k included) is what they are checked against there.
+    """
+    _check_size_names(requested)
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:  # torch's message goes on to suggest loading it unsafely
+        raise ValueError(f"{path} refused: it holds pickled objects other than tensors and plain types, so "
+                         f"loading it could run code; export the weights as a plain state dict") from error
+    if isinstance(saved, dict) and isinstance(saved.get("model"), dict) and "lm_config" in saved:
+        lm_config = LMConfig.from_dict(saved["lm_config"])
+        stored = lm_config.to_dict()
+        mismatches = [f"{name}: file has {stored[name]} (its saved model config), --{name} asks {asked}"
+                      for name, asked in requested.items() if asked is not None and stored[name] != asked]
+        if mismatches:
+            raise ValueError(f"{path} does not fit the size flags:\n  " + "\n  ".join(mismatches) +
+                             "\nA resume file carries its config: leave the size flags out.")
+        _check_tokenizer_fits(lm_config.vocab_size, tokenizer_vocab_size, str(path))
+        check_state_dict(saved["model"], lm_config, str(path))
+        return saved["model"], lm_config
+    if isinstance(saved, dict) and saved and all(isinstance(t, torch.Tensor) for t in saved.values()):
+        return saved, config_from_weights(saved, requested, tokenizer_vocab_size, str(path))
+    keys = sorted(saved)[:8] if isinstance(saved, dict) else type(saved).__name__
+    raise ValueError(f"{path} is neither a state dict of tensors nor a resume file (it holds {keys})")
+
+
+def _check_size_names(requested: dict) -> None:
+    unknown = sorted(set(requested) - set(SIZE_NAMES))
+    if unknown:
+        raise ValueError(f"unknown size names {unknown}; known: {', '.join(SIZE_NAMES)}")
+
+
+def _check_tokenizer_fits(vocab_size: int, tokenizer_vocab_size: int | None, source: str) -> None:
+    if tokenizer_vocab_size is not None and tokenizer_vocab_size > vocab_size:
+        raise ValueError(f"{source} has {vocab_size} embedding rows but the tokenizer has {tokenizer_vocab_size} "
+                         f"tokens: use the tokenizer the model was trained with (--tokenizer_path)")

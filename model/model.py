@@ -1,13 +1,17 @@
 """A small decoder-only language model in one file.
 
 The architecture and the parameter names follow Hugging Face's Qwen3 (dense) and Qwen3-MoE, so a
-state dict saved here loads into `transformers` unchanged (see scripts/export_hf.py):
+state dict saved here loads into `transformers` unchanged (see model/hf.py):
 
     token ids -> embed_tokens -> N x [ x + attn(norm(x)) ; x + mlp(norm(x)) ] -> norm -> lm_head
 
 - attention: grouped-query attention, per-head RMSNorm on queries and keys, rotary positions;
 - mlp: SwiGLU, or a mixture of SwiGLU experts with top-k routing when `use_moe` is set;
 - lm_head shares its weight with the token embedding (`tie_word_embeddings`).
+
+minimind's model (its model/model_minimind.py) has the same parameter names and shapes, so its
+weights load here unchanged; model/hf.py reads every size off a state dict. How our defaults
+compare with minimind's, and why, is in LMConfig's docstring.
 """
 
 import math
@@ -22,9 +26,27 @@ from torch import nn
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
 
+def default_intermediate_size(hidden_size: int) -> int:
+    """The SwiGLU width used when none is given: 8/3 * hidden_size rounded up to a multiple of 64.
+
+    SwiGLU has three matrices instead of two, so 8/3 * hidden keeps the parameter count of a
+    classic 4 * hidden MLP; a multiple of 64 suits matrix kernels.
+    """
+    return 64 * math.ceil(hidden_size * 8 / 3 / 64)
+
+
 @dataclass
 class LMConfig:
-    """Model hyper-parameters. `None` fields are derived in __post_init__."""
+    """Model hyper-parameters. `None` fields are derived in __post_init__.
+
+    Compared with minimind's MiniMindConfig (same names): the SwiGLU width is the one default that
+    differs. Ours is 64 * ceil(8/3 * hidden / 64) (2048 at hidden 768), minimind's
+    64 * ceil(pi * hidden / 64) (2432); we keep 8/3 so the demo model keeps its shape, and a
+    file's width is read from its weights whenever one is loaded (model/hf.py), so minimind's
+    files need no flag. To train minimind's shape from scratch, pass intermediate_size=2432.
+    The MoE top-k is 1 as in minimind: it is the one size a state dict cannot record, so the
+    default is the one minimind's MoE files were trained with.
+    """
 
     vocab_size: int = 6400
     hidden_size: int = 512
@@ -32,21 +54,23 @@ class LMConfig:
     num_attention_heads: int = 8
     num_key_value_heads: int = 4
     head_dim: int | None = None  # None -> hidden_size // num_attention_heads
-    intermediate_size: int | None = None  # None -> about 8/3 * hidden_size, a multiple of 64
+    intermediate_size: int | None = None  # None -> default_intermediate_size(hidden_size)
     max_position_embeddings: int = 32768
     rope_theta: float = 1e6
     rms_norm_eps: float = 1e-6
     dropout: float = 0.0
     use_moe: bool = False
     num_experts: int = 4
-    num_experts_per_tok: int = 2
-    moe_intermediate_size: int | None = None  # None -> intermediate_size
+    num_experts_per_tok: int = 1  # top-k routing; minimind's default too
+    moe_intermediate_size: int | None = None  # None -> intermediate_size (one expert = one dense MLP)
     aux_loss_coef: float = 0.01
     tie_word_embeddings: bool = True
     eos_token_id: int = 2  # <|im_end|>
     pad_token_id: int = 0  # <|endoftext|>
 
     def __post_init__(self) -> None:
+        self._check_positive("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                             "num_key_value_heads", "head_dim", "intermediate_size", "moe_intermediate_size")
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -62,16 +86,22 @@ class LMConfig:
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim ({self.head_dim}) must be even: rotary embeddings rotate pairs")
         if self.intermediate_size is None:
-            # SwiGLU has three matrices instead of two, so 8/3 * hidden keeps the parameter count of
-            # a classic 4 * hidden MLP; a multiple of 64 suits matrix kernels.
-            self.intermediate_size = 64 * math.ceil(self.hidden_size * 8 / 3 / 64)
+            self.intermediate_size = default_intermediate_size(self.hidden_size)
         if self.moe_intermediate_size is None:
             self.moe_intermediate_size = self.intermediate_size
+        if self.use_moe and self.num_experts < 1:
+            raise ValueError(f"num_experts ({self.num_experts}) must be at least 1 when use_moe is set")
         if self.use_moe and not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and "
                 f"num_experts ({self.num_experts})"
             )
+
+    def _check_positive(self, *names: str) -> None:
+        for name in names:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be a positive number, got {value}")
 
     def to_dict(self) -> dict:
         """A plain JSON-able dict; `LMConfig.from_dict(cfg.to_dict()) == cfg`."""

@@ -1,299 +1,84 @@
 """Export project weights as a Hugging Face model directory, and import one back.
 
-Our parameter names already follow Qwen3, so the export is mostly bookkeeping: a config.json that
-describes the same architecture, the weights as safetensors, and the tokenizer with a ChatML chat
-template. The result loads with plain `transformers`, no custom code:
+Run from the repository root (or as `python scripts/export_hf.py ...` from anywhere):
 
-    AutoModelForCausalLM.from_pretrained("hf_model"); AutoTokenizer.from_pretrained("hf_model")
-
-Run from the repository root:
-
-    # an out/*.pth inference file holds no config: pass the sizes it was trained with
-    python -m scripts.export_hf out/full_sft_512.pth -o hf_model --hidden_size 512 --num_hidden_layers 8
+    # an out/*.pth file: every size is read from the weights (ours or minimind's)
+    python -m scripts.export_hf out/full_sft_128.pth -o hf_model
+    # size flags are optional and checked against the file; the MoE top-k is the one size no
+    # tensor records, so an MoE file takes --num_experts_per_tok (default 1, as in minimind)
+    python -m scripts.export_hf out/full_sft_768_moe.pth -o hf_model --num_experts_per_tok 1
     # a resume file carries its config
-    python -m scripts.export_hf checkpoints/full_sft_512_resume.pth -o hf_model --dtype bfloat16
+    python -m scripts.export_hf checkpoints/full_sft_128_resume.pth -o hf_model --dtype bfloat16
     # the reverse: a Hugging Face directory (Qwen3 layout) -> an out/-style FP16 .pth
-    python -m scripts.export_hf hf_model --reverse -o out/imported_512.pth
+    python -m scripts.export_hf hf_model --reverse -o out/imported_128.pth
+
+The work is done by model/hf.py; this file is only the command line.
 """
 
 import argparse
-import json
-import shutil
+import sys
 from pathlib import Path
 
+if __package__ in (None, ""):  # run as a file (python scripts/x.py): make the repo's packages importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import torch
-from safetensors.torch import load_file, save_file
-from tokenizers import Tokenizer
 
-from model.model import CausalLM, LMConfig
+from model.hf import DTYPES, export_hf, import_hf, infer_sizes, load_project_weights, size_flags
+from model.tokenizer import DEFAULT_TOKENIZER
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_TOKENIZER = REPO_ROOT / "model" / "tokenizer.json"
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-# Special tokens of model/tokenizer.json and their ids, which the model config relies on.
-ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
-SPECIAL_TOKEN_IDS = {ENDOFTEXT: 0, IM_START: 1, IM_END: 2}
-BOS_TOKEN_ID = SPECIAL_TOKEN_IDS[IM_START]
-
-# ChatML: every message is "<|im_start|>{role}\n{content}<|im_end|>\n"; a generation prompt opens
-# an assistant turn for the model to complete.
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
+SIZE_FLAGS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "use_moe", "intermediate_size", "num_experts", "num_experts_per_tok")
 
 
-def check_state_dict(state_dict: dict[str, torch.Tensor], lm_config: LMConfig) -> None:
-    """Raise ValueError unless `state_dict` has exactly the names and shapes of CausalLM(lm_config)."""
-    with torch.device("meta"):  # shapes only, no memory
-        expected = {name: t.shape for name, t in CausalLM(lm_config).state_dict().items()}
-    missing = sorted(set(expected) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(expected))
-    wrong_shape = [
-        f"{name}: file {tuple(state_dict[name].shape)}, config {tuple(shape)}"
-        for name, shape in expected.items()
-        if name in state_dict and state_dict[name].shape != shape
-    ]
-    problems = []
-    if missing:
-        problems.append("missing keys: " + ", ".join(missing))
-    if unexpected:
-        problems.append("unexpected keys: " + ", ".join(unexpected))
-    if wrong_shape:
-        problems.append("shape mismatches: " + "; ".join(wrong_shape))
-    if problems:
-        raise ValueError(
-            "the weights do not fit the model config (are the size flags right?)\n  " + "\n  ".join(problems)
-        )
-
-
-def check_tokenizer(tokenizer_path: Path, lm_config: LMConfig) -> None:
-    """Raise ValueError unless the tokenizer's special-token ids and size fit the model."""
-    tokenizer = Tokenizer.from_file(str(tokenizer_path))
-    wrong = [
-        f"{token} is {tokenizer.token_to_id(token)}, expected {expected}"
-        for token, expected in SPECIAL_TOKEN_IDS.items()
-        if tokenizer.token_to_id(token) != expected
-    ]
-    if wrong:
-        raise ValueError(f"{tokenizer_path}: special token ids differ from the model's: " + "; ".join(wrong))
-    if tokenizer.get_vocab_size() > lm_config.vocab_size:
-        raise ValueError(
-            f"{tokenizer_path} has {tokenizer.get_vocab_size()} tokens, more than the model's "
-            f"vocab_size {lm_config.vocab_size}"
-        )
-
-
-def hf_config(lm_config: LMConfig, dtype: torch.dtype) -> dict:
-    """config.json contents for Qwen3ForCausalLM, or Qwen3MoeForCausalLM when use_moe."""
-    dtype_name = str(dtype).removeprefix("torch.")
-    config = {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "vocab_size": lm_config.vocab_size,
-        "hidden_size": lm_config.hidden_size,
-        "intermediate_size": lm_config.intermediate_size,
-        "num_hidden_layers": lm_config.num_hidden_layers,
-        "num_attention_heads": lm_config.num_attention_heads,
-        "num_key_value_heads": lm_config.num_key_value_heads,
-        "head_dim": lm_config.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": lm_config.max_position_embeddings,
-        "rope_theta": lm_config.rope_theta,
-        "rope_scaling": None,
-        "rms_norm_eps": lm_config.rms_norm_eps,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "initializer_range": 0.02,
-        "tie_word_embeddings": lm_config.tie_word_embeddings,
-        "use_cache": True,
-        "bos_token_id": BOS_TOKEN_ID,
-        "eos_token_id": lm_config.eos_token_id,
-        "pad_token_id": lm_config.pad_token_id,
-        # transformers 4.x reads "torch_dtype", 5.x reads "dtype".
-        "torch_dtype": dtype_name,
-        "dtype": dtype_name,
-    }
-    if lm_config.use_moe:
-        config.update(
-            architectures=["Qwen3MoeForCausalLM"],
-            model_type="qwen3_moe",
-            num_experts=lm_config.num_experts,
-            num_experts_per_tok=lm_config.num_experts_per_tok,
-            moe_intermediate_size=lm_config.moe_intermediate_size,
-            norm_topk_prob=True,  # we renormalise the top-k router weights
-            decoder_sparse_step=1,  # every layer is MoE
-            mlp_only_layers=[],
-            router_aux_loss_coef=lm_config.aux_loss_coef,
-            output_router_logits=False,
-        )
-    return config
-
-
-def tokenizer_config(lm_config: LMConfig) -> dict:
-    """tokenizer_config.json: a fast tokenizer over tokenizer.json, its special tokens, ChatML."""
-    return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": IM_START,
-        "eos_token": IM_END,
-        "pad_token": ENDOFTEXT,
-        "unk_token": ENDOFTEXT,
-        "model_max_length": lm_config.max_position_embeddings,
-        "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
-    }
-
-
-def export_hf(
-    state_dict: dict[str, torch.Tensor],
-    lm_config: LMConfig,
-    out_dir: str | Path,
-    tokenizer_path: str | Path = DEFAULT_TOKENIZER,
-    dtype: torch.dtype = torch.float16,
-) -> Path:
-    """Write a Hugging Face model directory for `state_dict` (our names, any dtype); returns it."""
-    check_state_dict(state_dict, lm_config)
-    tokenizer_path = Path(tokenizer_path)
-    if not tokenizer_path.is_file():
-        raise FileNotFoundError(f"tokenizer not found: {tokenizer_path} (train one or pass --tokenizer)")
-    check_tokenizer(tokenizer_path, lm_config)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-
-    # safetensors refuses tensors that share memory. For a tied model transformers itself saves only
-    # the embedding and re-ties lm_head to it on load, so we do the same.
-    tensors = {
-        name: t.detach().to(dtype).contiguous()
-        for name, t in state_dict.items()
-        if not (lm_config.tie_word_embeddings and name == "lm_head.weight")
-    }
-    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
-
-    generation = {
-        "bos_token_id": BOS_TOKEN_ID,
-        "eos_token_id": lm_config.eos_token_id,
-        "pad_token_id": lm_config.pad_token_id,
-    }
-    write_json(out_dir / "config.json", hf_config(lm_config, dtype))
-    write_json(out_dir / "generation_config.json", generation)
-    write_json(out_dir / "tokenizer_config.json", tokenizer_config(lm_config))
-    shutil.copyfile(tokenizer_path, out_dir / "tokenizer.json")
-    return out_dir
-
-
-def import_hf(hf_dir: str | Path) -> tuple[dict[str, torch.Tensor], LMConfig]:
-    """Read a Qwen3 / Qwen3-MoE directory (single model.safetensors) back into our names and config."""
-    hf_dir = Path(hf_dir)
-    config = json.loads((hf_dir / "config.json").read_text())
-    model_type = config.get("model_type")
-    if model_type not in ("qwen3", "qwen3_moe"):
-        raise ValueError(f"only qwen3 and qwen3_moe models can be imported, this one is {model_type!r}")
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    unsupported = {
-        "attention_bias": config.get("attention_bias", False),
-        "use_sliding_window": config.get("use_sliding_window", False),
-        "rope type": rope.get("rope_type", "default") != "default",
-        "hidden_act": config.get("hidden_act", "silu") != "silu",
-        "mlp_only_layers": bool(config.get("mlp_only_layers")),
-        "decoder_sparse_step": config.get("decoder_sparse_step", 1) != 1,
-        "norm_topk_prob": model_type == "qwen3_moe" and not config.get("norm_topk_prob", False),
-    }
-    if any(unsupported.values()):
-        lacking = ", ".join(name for name, used in unsupported.items() if used)
-        raise ValueError(f"this model uses features our CausalLM lacks: {lacking}")
-
-    fields = dict(
-        vocab_size=config["vocab_size"],
-        hidden_size=config["hidden_size"],
-        num_hidden_layers=config["num_hidden_layers"],
-        num_attention_heads=config["num_attention_heads"],
-        num_key_value_heads=config["num_key_value_heads"],
-        head_dim=config.get("head_dim"),
-        intermediate_size=config["intermediate_size"],
-        max_position_embeddings=config["max_position_embeddings"],
-        rope_theta=rope.get("rope_theta", config.get("rope_theta", 1e6)),
-        rms_norm_eps=config["rms_norm_eps"],
-        tie_word_embeddings=config.get("tie_word_embeddings", False),
-    )
-    if model_type == "qwen3_moe":
-        fields.update(
-            use_moe=True,
-            num_experts=config["num_experts"],
-            num_experts_per_tok=config["num_experts_per_tok"],
-            moe_intermediate_size=config["moe_intermediate_size"],
-            aux_loss_coef=config.get("router_aux_loss_coef", 0.01),
-        )
-    lm_config = LMConfig(**fields)
-
-    weights_file = hf_dir / "model.safetensors"
-    if not weights_file.is_file():
-        raise FileNotFoundError(f"{weights_file} not found (sharded checkpoints are not supported)")
-    state_dict = load_file(weights_file)
-    if lm_config.tie_word_embeddings:
-        state_dict["lm_head.weight"] = state_dict["model.embed_tokens.weight"]
-    check_state_dict(state_dict, lm_config)
-    return state_dict, lm_config
-
-
-def load_project_weights(path: str | Path, size_flags: dict) -> tuple[dict[str, torch.Tensor], LMConfig]:
-    """Weights and config from an out/*.pth state dict (config from `size_flags`) or a resume file."""
-    saved = torch.load(path, map_location="cpu", weights_only=True)
-    given = {k: v for k, v in size_flags.items() if v is not None}
-    if isinstance(saved.get("model"), dict) and "lm_config" in saved:
-        lm_config = LMConfig.from_dict(saved["lm_config"])
-        stored = lm_config.to_dict()
-        conflicts = [f"--{k} {v} (file: {stored[k]})" for k, v in given.items() if stored[k] != v]
-        if conflicts:
-            raise ValueError(f"{path} is a resume file with its own config; flags that disagree: {', '.join(conflicts)}")
-        return saved["model"], lm_config
-    return saved, LMConfig(**given)
-
-
-# The sizes an out/*.pth does not record; the training scripts take the same flags.
-SIZE_FLAGS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size", "use_moe")
-
-
-def write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
-
-
-def main() -> None:
+def build_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("path", help="out/*.pth or *_resume.pth to export; with --reverse, a Hugging Face directory")
     parser.add_argument("-o", "--output", required=True, help="directory to write; with --reverse, the .pth file")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float16", help="dtype of the exported weights")
     parser.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER), help="tokenizer.json to ship with the model")
     parser.add_argument("--reverse", action="store_true", help="import a Hugging Face directory into an out/-style .pth")
-    sizes = parser.add_argument_group("model size (needed for an out/*.pth; default: LMConfig defaults)")
-    for name in SIZE_FLAGS[:-1]:
-        sizes.add_argument(f"--{name}", type=int, default=None)
-    sizes.add_argument("--use_moe", type=int, choices=[0, 1], default=None)
-    args = parser.parse_args()
+    sizes = parser.add_argument_group("model size (optional: read from the weights; a flag given must match them)")
+    for name in SIZE_FLAGS:
+        sizes.add_argument(f"--{name}", type=int, default=None, **({"choices": [0, 1]} if name == "use_moe" else {}))
+    return parser
 
-    if args.reverse:
-        state_dict, lm_config = import_hf(args.path)
-        output = Path(args.output)
-        output.parent.mkdir(parents=True, exist_ok=True)
-        fp16 = {name: t.half() for name, t in state_dict.items()}
-        if lm_config.tie_word_embeddings:  # keep one shared tensor, as the model's own state_dict does
-            fp16["lm_head.weight"] = fp16["model.embed_tokens.weight"]
-        torch.save(fp16, output)
-        flags = " ".join(f"--{name} {int(getattr(lm_config, name))}" for name in SIZE_FLAGS)
-        print(f"wrote {output} (FP16, {len(fp16)} tensors); use it with the size flags {flags}")
-        return
 
-    size_flags = {name: getattr(args, name) for name in SIZE_FLAGS}
-    if args.use_moe is not None:
-        size_flags["use_moe"] = bool(args.use_moe)
-    state_dict, lm_config = load_project_weights(args.path, size_flags)
+def export(args: argparse.Namespace) -> None:
+    requested = {name: getattr(args, name) for name in SIZE_FLAGS}
+    state_dict, lm_config = load_project_weights(args.path, requested)
+    if lm_config.use_moe and args.num_experts_per_tok is None:
+        # A resume file records the top-k; a bare state dict cannot, so there it is the default.
+        print(f"note: MoE top-k num_experts_per_tok={lm_config.num_experts_per_tok} (from a resume file's config, "
+              f"else the default; pass --num_experts_per_tok to choose)")
     out_dir = export_hf(state_dict, lm_config, args.output, args.tokenizer, DTYPES[args.dtype])
     print(f"wrote {out_dir}/ ({args.dtype}); try: AutoModelForCausalLM.from_pretrained({str(out_dir)!r})")
 
 
+def reverse(args: argparse.Namespace) -> None:
+    state_dict, lm_config = import_hf(args.path)
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fp16 = {name: t.half() for name, t in state_dict.items()}
+    if lm_config.tie_word_embeddings:  # keep one shared tensor, as the model's own state_dict does
+        fp16["lm_head.weight"] = fp16["model.embed_tokens.weight"]
+    torch.save(fp16, output)
+    top_k = f"; its MoE top-k is {lm_config.num_experts_per_tok}" if lm_config.use_moe else ""
+    print(f"wrote {output} (FP16, {len(fp16)} tensors): {size_flags(infer_sizes(fp16))}{top_k}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_arg_parser().parse_args(argv)
+    try:
+        if args.reverse:
+            reverse(args)
+        else:
+            export(args)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

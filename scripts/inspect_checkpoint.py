@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import pickle
-import re
 import sys
 from pathlib import Path
 
@@ -26,9 +25,8 @@ import torch
 if __package__ in (None, ""):  # run as a file: the repository, not this folder, goes first on the import path
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+from model.hf import infer_sizes, size_flags
 from trainer.checkpoint_io import CheckpointError, RunFiles, load_trusted, manifest_path, sha256_of, verify
-
-LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 # ---- small helpers --------------------------------------------------------------------------
@@ -60,32 +58,6 @@ def count_parameters(state_dict: dict[str, torch.Tensor]) -> int:
         seen.add(key)
         total += tensor.numel()
     return total
-
-
-def infer_sizes(state_dict: dict[str, torch.Tensor]) -> dict[str, int]:
-    """The size flags that rebuild this state dict, read off the tensor shapes."""
-    embed = state_dict["model.embed_tokens.weight"]
-    layers = {int(m.group(1)) for name in state_dict if (m := LAYER_KEY.match(name))}
-    head_dim = state_dict["model.layers.0.self_attn.q_norm.weight"].shape[0]
-    # "model.layers.0.mlp.experts.3.gate_proj.weight": the expert number is the sixth part.
-    experts = {name.split(".")[5] for name in state_dict if name.startswith("model.layers.0.mlp.experts.")}
-    sizes = {
-        "vocab_size": embed.shape[0],
-        "hidden_size": embed.shape[1],
-        "num_hidden_layers": len(layers),
-        "num_attention_heads": state_dict["model.layers.0.self_attn.q_proj.weight"].shape[0] // head_dim,
-        "num_key_value_heads": state_dict["model.layers.0.self_attn.k_proj.weight"].shape[0] // head_dim,
-        "use_moe": int(bool(experts)),
-    }
-    if experts:
-        sizes["num_experts"] = len(experts)
-    return sizes
-
-
-def size_flags(sizes: dict[str, int]) -> str:
-    """The command-line flags (of the trainers, eval_model.py, export_hf) for these sizes."""
-    names = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "use_moe")
-    return " ".join(f"--{name} {sizes[name]}" for name in names)
 
 
 def find_manifested_file(path: Path) -> Path | None:
@@ -183,11 +155,11 @@ def describe_weights(state: dict[str, torch.Tensor]) -> list[str]:
              f"parameters:       {count_parameters(state):,}"]
     try:
         sizes = infer_sizes(state)
-    except (KeyError, IndexError) as error:
-        lines.append(f"sizes:            cannot infer ({error} missing): not this project's layout?")
+    except ValueError as error:  # not this model's layout: say so, the rest of the description stands
+        lines.append(f"sizes:            cannot infer: {error}")
         return lines
     lines.append("inferred sizes:   " + ", ".join(f"{k}={v}" for k, v in sizes.items()))
-    lines.append(f"load it with:     {size_flags(sizes)}")
+    lines.append(f"size flags:       {size_flags(sizes)} (optional: every loader reads them from the file)")
     return lines
 
 

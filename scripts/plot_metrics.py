@@ -3,9 +3,11 @@
 Three panels share the step axis. Validation loss (if any) is drawn over the training loss;
 dashed vertical lines mark where the run was resumed, dotted red ones where an anomaly was seen.
 Uses matplotlib's Agg renderer, so it works on a machine without a display (over ssh, in CI).
+The file's fields are described in trainer/metrics_files.py; a non-finite value is stored as null
+and drawn as a gap.
 
-    python -m scripts.plot_metrics out/metrics/pretrain_512_metrics.jsonl -o curves.png
-    python -m scripts.plot_metrics out/metrics/pretrain_512_metrics.jsonl   # -> ..._metrics.png beside it
+    python scripts/plot_metrics.py out/pretrain_512_metrics.jsonl -o curves.png
+    python scripts/plot_metrics.py out/pretrain_512_metrics.jsonl   # -> out/pretrain_512_metrics.png
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ def run_name_from_path(path: Path) -> str:
     return name[:-len(METRICS_SUFFIX)] if name.endswith(METRICS_SUFFIX) else path.stem
 
 
+def values(records: list[dict], key: str) -> list[float]:
+    """`key` of each record as floats; null (a NaN or inf the writer could not store) or absent is NaN."""
+    return [float("nan") if r.get(key) is None else r[key] for r in records]
+
+
 def plot_metrics(records: list[dict], out_path: str | Path, run_name: str = "") -> Path:
     """Write the three-panel figure of `records` (as read from a metrics file) to `out_path`."""
     train = sorted((r for r in records if is_train_record(r)), key=lambda r: r["step"])
@@ -47,16 +54,16 @@ def plot_metrics(records: list[dict], out_path: str | Path, run_name: str = "") 
     FigureCanvasAgg(figure)
     loss_ax, lr_ax, grad_ax = figure.subplots(3, 1, sharex=True)
 
-    loss_ax.plot(steps, [r["loss"] for r in train], label="train loss")
+    loss_ax.plot(steps, values(train, "loss"), label="train loss")
     if val:
         loss_ax.plot([r["step"] for r in val], [r["val/loss"] for r in val], "o-", label="val/loss")
     loss_ax.set_ylabel("loss")
 
-    lr_ax.plot(steps, [r.get("lr", float("nan")) for r in train], color="tab:green")
+    lr_ax.plot(steps, values(train, "lr"), color="tab:green")
     lr_ax.set_ylabel("learning rate")
     lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
 
-    grad_norms = [r.get("grad_norm", float("nan")) for r in train]
+    grad_norms = values(train, "grad_norm")
     grad_ax.plot(steps, grad_norms, color="tab:purple")
     grad_ax.set_ylabel("grad norm")
     finite = [g for g in grad_norms if g == g and g != float("inf")]

@@ -1,12 +1,13 @@
 """Follow a training run from its metrics directory: one screen, refreshed until the run ends.
 
-It reads only the two files `MetricsFileWriter` leaves (`{run}_status.json`, `{run}_metrics.jsonl`),
-so it needs no access to the training process and works wherever the files are visible:
+It reads only the two files `MetricsFileWriter` leaves (`{run}_status.json`, `{run}_metrics.jsonl`;
+their fields are described in trainer/metrics_files.py), so it needs no access to the training
+process and works wherever the files are visible:
 
-    python -m scripts.watch_run out/metrics                      # the only run in the directory
-    python -m scripts.watch_run out/metrics --run_name pretrain_512 --interval 5
-    python -m scripts.watch_run out/metrics --once               # print once and exit
-    ssh gpu-box "cd tiny-llm && python -m scripts.watch_run out/metrics --once"
+    python scripts/watch_run.py out                         # the only run in out/ (the default --metrics_dir)
+    python scripts/watch_run.py out --run_name pretrain_512 --interval 5
+    python scripts/watch_run.py out --once                  # print once and exit
+    ssh gpu-box "python tiny-llm/scripts/watch_run.py tiny-llm/out --once"
 """
 
 from __future__ import annotations
@@ -38,13 +39,17 @@ def progress_bar(done: int, total: int, width: int = BAR_WIDTH) -> str:
 
 
 def render_summary(status: dict, records: list[dict], now: float | None = None) -> str:
-    """The one-screen summary of a run, from its status object and its metrics records."""
+    """The one-screen summary of a run, from its status object and its metrics records.
+
+    `status` must have the fields of `STATUS_FIELDS` (`read_status` checks that); the others
+    (epoch, best loss, anomaly step, updated) are shown when present.
+    """
     now = time.time() if now is None else now
-    latest = status.get("latest") or {}
+    latest = status["latest_metrics"] or {}
     train = [r for r in records if is_train_record(r)]
-    state = status.get("state", "unknown")
-    step, total = status.get("step", 0), status.get("total_steps", 0)
-    lines = [f"run {status.get('run_name', '?')}: {state}",
+    state = status["status"]
+    step, total = status["current_step"], status["total_steps"]
+    lines = [f"run {status.get('run_name', '?')}: {state}   (job {status['job_id']})",
              f"step {step}/{total} {progress_bar(step, total)}"]
 
     epoch = status.get("epoch")
@@ -53,15 +58,16 @@ def render_summary(status: dict, records: list[dict], now: float | None = None) 
                  f"   ETA {format_duration(eta) if eta is not None and state == 'running' else '-'}")
 
     if latest:
-        numbers = [f"{label} {latest[key]:{spec}}" for key, label, spec in LATEST_FIELDS if key in latest]
-        lines.append(f"latest (step {latest.get('step', '?')}): " + "  ".join(numbers))
+        numbers = [f"{label} {latest[key]:{spec}}" for key, label, spec in LATEST_FIELDS
+                   if latest.get(key) is not None]  # a NaN loss is written as null
+        lines.append(f"latest (step {latest['step']}): " + "  ".join(numbers))
     else:
         lines.append("latest: nothing logged yet")
 
     best_loss, best_step = status.get("best_loss"), status.get("best_step")
-    if best_loss is None and train:  # an older status file: work it out from the records
-        best = min(train, key=lambda r: r["loss"])
-        best_loss, best_step = best["loss"], best["step"]
+    if best_loss is None and train:  # a status file without best_loss: work it out from the records
+        best = min((r for r in train if r["loss"] is not None), key=lambda r: r["loss"], default=None)
+        best_loss, best_step = (best["loss"], best["step"]) if best else (None, None)
     lines.append(f"best loss {best_loss:.4f} at step {best_step}" if best_loss is not None else "best loss -")
 
     val = [r for r in records if "val/loss" in r]
@@ -70,15 +76,18 @@ def render_summary(status: dict, records: list[dict], now: float | None = None) 
     resumes = [r["step"] for r in records if r.get("event") == "resume"]
     lines.append(f"resumes: {len(resumes)}" + (f" (at steps {', '.join(map(str, resumes))})" if resumes else ""))
 
-    anomaly = status.get("anomaly")
-    lines.append(f"anomaly at step {anomaly['step']}: {anomaly['reason']}" if anomaly else "anomaly: none")
+    if status["anomaly_detected"]:
+        where = f" at step {status['anomaly_step']}" if status.get("anomaly_step") is not None else ""
+        lines.append(f"anomaly{where}: {status['anomaly_reason']}")
+    else:
+        lines.append("anomaly: none")
 
     updated = status.get("updated")
     if updated is not None:
         age = now - updated
         lines.append(f"last update {format_duration(age)} ago")
         if state == "running" and age > STALE_AFTER_S:
-            lines.append(f"WARNING: no update for {format_duration(age)} while the state is 'running': the "
+            lines.append(f"WARNING: no update for {format_duration(age)} while the status is 'running': the "
                          f"process may have died or hung. Check it (ps, nvidia-smi, its log); if it is gone, "
                          f"restart with --from_resume 1.")
     return "\n".join(lines)
@@ -116,10 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     name = choose_run(args.metrics_dir, args.run_name)
     try:
         while True:
-            status = read_status(status_path(args.metrics_dir, name))
+            try:
+                status = read_status(status_path(args.metrics_dir, name))
+            except ValueError as error:  # not this trainer's status file: say which file and what is missing
+                print(f"error: {error}", file=sys.stderr)
+                return 1
             summary = render_summary(status, read_metrics(metrics_path(args.metrics_dir, name)))
             print(summary if args.once else CLEAR_SCREEN + summary, flush=True)
-            if args.once or status.get("state") != "running":
+            if args.once or status["status"] != "running":
                 return 0
             time.sleep(args.interval)
     except KeyboardInterrupt:  # Ctrl-C is how one stops watching: no traceback

@@ -1,24 +1,33 @@
-"""Shared helpers: tiny data files, and real `python` / `torchrun` training processes on the CPU."""
+"""Shared helpers: tiny data files, real `python` / `torchrun` training processes on the CPU, and
+the readers and comparisons the tests use to check what those processes left on disk.
+
+A test's run lives in one directory (`run_dir`): `out/` (FP16 weights), `ckpt/` (resume state),
+`metrics/` (metrics and status files) and `trace.jsonl` (one record per optimizer step and rank).
+Tests assert on those files, not on the wording of log lines, wherever a file records the fact.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
+FAULT_INJECTION_DIR = REPO / "tests" / "fault_injection"
+PRETRAIN_RUN = "pretrain_32"  # {save_weight}_{hidden_size} of TINY_MODEL
 
 # A model small enough that a 2-process gloo run takes seconds on 2 CPU cores.
 TINY_MODEL = ["--hidden_size", "32", "--num_hidden_layers", "2", "--num_attention_heads", "4",
               "--num_key_value_heads", "2", "--max_seq_len", "48", "--num_workers", "0", "--device", "cpu"]
 
 
-FAULT_INJECTION_DIR = REPO / "tests" / "fault_injection"
-
+# ---- launching training processes -------------------------------------------------------------
 
 def child_env(**extra) -> dict:
     """The environment of a training child: one thread per rank, trackers offline, nothing on PYTHONPATH
@@ -36,8 +45,14 @@ def slowed_env(step_delay_s: float = 0.0, save_delay_s: float = 0.0) -> dict:
     return child_env(PYTHONPATH=FAULT_INJECTION_DIR, FAULT_STEP_DELAY_S=step_delay_s, FAULT_SAVE_DELAY_S=save_delay_s)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def launch_command(script: str, nproc: int | None, args: list[str]) -> list[str]:
-    """`python script` when nproc is None, else `torchrun --nproc_per_node nproc script`."""
+    """`python trainer/script` when nproc is None, else `torchrun --nproc_per_node nproc trainer/script`."""
     path = str(REPO / "trainer" / script)
     if nproc is None:
         return [sys.executable, path, *args]
@@ -45,29 +60,142 @@ def launch_command(script: str, nproc: int | None, args: list[str]) -> list[str]
             "--master_port", str(free_port()), path, *args]
 
 
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def assert_exit_code(result: subprocess.CompletedProcess, expected: int = 0) -> None:
+    """Fail with the end of the process's output when it did not exit with `expected`."""
+    if result.returncode != expected:
+        raise AssertionError(f"exit code {result.returncode}, expected {expected}\n"
+                             f"STDOUT:\n{result.stdout[-6000:]}\nSTDERR:\n{result.stderr[-6000:]}")
 
 
 def train(script: str, nproc: int | None, args: list[str], cwd: Path, check: bool = True, timeout: int = 300,
           **env) -> subprocess.CompletedProcess:
-    """Run one training invocation to completion; on failure show its output."""
+    """Run one training invocation of TINY_MODEL to completion; with `check`, it must exit 0."""
     result = subprocess.run(launch_command(script, nproc, [*TINY_MODEL, *args]), cwd=cwd, env=child_env(**env),
                             capture_output=True, text=True, timeout=timeout)
-    if check and result.returncode != 0:
-        raise AssertionError(f"exit code {result.returncode}\nSTDOUT:\n{result.stdout[-6000:]}\n"
-                             f"STDERR:\n{result.stderr[-6000:]}")
+    if check:
+        assert_exit_code(result)
     return result
 
 
-def read_trace(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def run_args(run_dir: Path, data: Path, *extra: str) -> list[str]:
+    """Flags that put every file of a run under `run_dir` (see the module docstring), logging every step."""
+    return ["--data_path", str(data), "--save_dir", str(run_dir / "out"), "--checkpoint_dir", str(run_dir / "ckpt"),
+            "--metrics_dir", str(run_dir / "metrics"), "--save_debug_train_output", str(run_dir / "trace.jsonl"),
+            "--log_interval", "1", *extra]
 
+
+# ---- reading what a run left ------------------------------------------------------------------
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def read_trace(path: Path) -> list[dict]:
+    """The --save_debug_train_output records, in the order they were written."""
+    return read_jsonl(path)
+
+
+def trace_of(run_dir: Path) -> list[dict]:
+    return read_trace(run_dir / "trace.jsonl")
+
+
+def resume_file(run_dir: Path, name: str = PRETRAIN_RUN) -> dict:
+    """The newest resume state of run `name` under `run_dir` (what `--from_resume 1` would load)."""
+    return torch.load(run_dir / "ckpt" / f"{name}_resume.pth", weights_only=True)
+
+
+def history_file(run_dir: Path, step: int, name: str = PRETRAIN_RUN) -> dict:
+    """The kept checkpoint of global step `step`."""
+    return torch.load(run_dir / "ckpt" / f"{name}_history" / f"step_{step:08d}.pth", weights_only=True)
+
+
+def status_of(run_dir: Path, name: str = PRETRAIN_RUN) -> dict:
+    """The run's `{name}_status.json` under `run_dir/metrics`."""
+    from trainer.metrics_files import read_status, status_path
+    return read_status(status_path(run_dir / "metrics", name))
+
+
+def metrics_of(run_dir: Path, name: str = PRETRAIN_RUN) -> list[dict]:
+    """Every record of the run's `{name}_metrics.jsonl` under `run_dir/metrics`, in file order."""
+    from trainer.metrics_files import metrics_path, read_metrics
+    return read_metrics(metrics_path(run_dir / "metrics", name))
+
+
+def events_of(run_dir: Path, name: str = PRETRAIN_RUN) -> list[tuple[str, int]]:
+    """(event, step) of the resume / anomaly / rollback events in the metrics file, in order."""
+    return [(r["event"], r["step"]) for r in metrics_of(run_dir, name) if "event" in r]
+
+
+def last_record_per_step_and_rank(trace: list[dict]) -> list[dict]:
+    """A step trained again (after a kill or a rollback) appears twice in the trace; the later record counts."""
+    last = {}
+    for record in trace:
+        last[record["step"], record["rank"]] = record
+    return list(last.values())
+
+
+def samples_per_epoch(records: list[dict]) -> dict[int, dict[int, int]]:
+    """{epoch: {sample index: times trained}} over the given trace records."""
+    seen: dict[int, dict[int, int]] = {}
+    for record in records:
+        counts = seen.setdefault(record["epoch"], {})
+        for index in record["samples"]:
+            counts[index] = counts.get(index, 0) + 1
+    return seen
+
+
+def assert_each_sample_once(records: list[dict], num_samples: int, epochs: int) -> None:
+    """Every epoch trained each of its `num_samples` samples exactly once."""
+    seen = samples_per_epoch(records)
+    for epoch in range(epochs):
+        counts = seen.get(epoch, {})
+        missing = sorted(set(range(num_samples)) - set(counts))
+        repeated = sorted(i for i, n in counts.items() if n > 1)
+        assert not missing and not repeated, f"epoch {epoch}: missing {missing}, trained twice {repeated}"
+
+
+# ---- comparing resume states ------------------------------------------------------------------
+
+# What the next optimizer step depends on: two runs that agree on these continue identically.
+TRAINING_STATE_FIELDS = ("model", "optimizer", "scaler", "rng", "epoch", "step", "global_step", "samples_consumed")
+
+
+def state_differences(a, b, where: str = "") -> list[str]:
+    """Every difference between two nested checkpoint values, structure first.
+
+    Dicts must have the same keys and lists the same length before their items are compared, so
+    a truncated optimizer state or a missing RNG entry is a difference, never silently skipped.
+    Tensors must agree in dtype, shape and every element.
+    """
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return [f"{where or 'top level'}: keys differ, only in first {sorted(map(str, a.keys() - b.keys()))}, "
+                    f"only in second {sorted(map(str, b.keys() - a.keys()))}"]
+        return [d for key in a for d in state_differences(a[key], b[key], f"{where}.{key}" if where else str(key))]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{where}: length {len(a)} vs {len(b)}"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in state_differences(x, y, f"{where}[{i}]")]
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return [f"{where}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"]
+        return [] if torch.equal(a, b) else [f"{where}: values differ"]
+    if type(a) is not type(b) or a != b:
+        return [f"{where}: {a!r} vs {b!r}"]
+    return []
+
+
+def assert_states_equal(a: dict, b: dict, fields: tuple[str, ...] = TRAINING_STATE_FIELDS) -> None:
+    """Two resume states hold the same `fields`, bit for bit: weights, optimizer state and param
+    groups, scaler, every rank's RNG, and the data position."""
+    differences = [d for name in fields for d in state_differences({name: a[name]}, {name: b[name]})]
+    assert not differences, "resume states differ:\n  " + "\n  ".join(differences[:20])
+
+
+# ---- data ---------------------------------------------------------------------------------------
 
 def slice_jsonl(source: Path, target: Path, count: int) -> Path:
+    """The first `count` non-empty lines of `source`, written to `target`."""
     lines = [line for line in source.read_text(encoding="utf-8").splitlines() if line.strip()][:count]
     target.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return target

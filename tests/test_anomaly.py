@@ -14,19 +14,13 @@ import re
 import pytest
 import torch
 
-from conftest import read_trace, train
-
-from trainer.metrics_files import read_status, status_path
-
-
-def run_args(tmp_path, data, *extra) -> list[str]:
-    return ["--data_path", str(data), "--save_dir", str(tmp_path / "out"), "--checkpoint_dir",
-            str(tmp_path / "ckpt"), "--metrics_dir", str(tmp_path / "metrics"), "--save_debug_train_output",
-            str(tmp_path / "trace.jsonl"), "--batch_size", "2", "--epochs", "1", "--log_interval", "1", *extra]
+from conftest import (events_of, last_record_per_step_and_rank, read_trace, resume_file, run_args, status_of,
+                      trace_of, train)
+from trainer.data_order import epoch_order
 
 
-def resume_file(tmp_path) -> dict:
-    return torch.load(tmp_path / "ckpt" / "pretrain_32_resume.pth", weights_only=True)
+def job_args(tmp_path, data, *extra) -> list[str]:
+    return run_args(tmp_path, data, "--batch_size", "2", "--epochs", "1", *extra)
 
 
 def assert_all_finite(state: dict) -> None:
@@ -38,18 +32,10 @@ def assert_all_finite(state: dict) -> None:
             assert torch.isfinite(torch.as_tensor(value)).all(), f"optimizer state {index}.{key} is not finite"
 
 
-def last_record_per_step_and_rank(trace: list[dict]) -> list[dict]:
-    """A rollback retrains steps, so they appear twice in the trace; the later record is the one that counts."""
-    last = {}
-    for record in trace:
-        last[record["step"], record["rank"]] = record
-    return list(last.values())
-
-
 @pytest.mark.parametrize("nproc", [None, 2], ids=["python", "torchrun2"])
 def test_nan_under_stop_exits_3_names_the_reason_and_keeps_the_last_good_checkpoint(tmp_path, pretrain_data, nproc):
     bad_step = 5 if nproc is None else 4
-    result = train("train_pretrain.py", nproc, run_args(tmp_path, pretrain_data, "--on_anomaly", "stop",
+    result = train("train_pretrain.py", nproc, job_args(tmp_path, pretrain_data, "--on_anomaly", "stop",
                                                         "--save_interval", "2", "--debug_inject", f"nan:{bad_step}"),
                    tmp_path, check=False)
     output = result.stdout + result.stderr
@@ -59,49 +45,51 @@ def test_nan_under_stop_exits_3_names_the_reason_and_keeps_the_last_good_checkpo
         assert result.returncode != 0, output
         worker_exits = re.findall(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*exitcode\s*:\s*(-?\d+)", result.stderr)
         assert sorted(worker_exits) == [("0", "3"), ("1", "3")], output
-    assert f"non-finite loss nan at step {bad_step}" in result.stdout
-    assert "stopping on anomaly" in result.stdout
 
-    status = read_status(status_path(tmp_path / "metrics", "pretrain_32"))
-    assert status["state"] == "failed"
-    assert f"non-finite loss nan at step {bad_step}" in status["anomaly"]["reason"]
+    status = status_of(tmp_path)
+    assert status["status"] == "failed" and status["anomaly_detected"] is True
+    assert status["anomaly_reason"] == f"non-finite loss nan at step {bad_step}"
+    assert events_of(tmp_path) == [("anomaly", bad_step)]
 
     newest = resume_file(tmp_path)
     assert newest["global_step"] == bad_step - 1 - (bad_step - 1) % 2  # the last save (every 2 steps) before it
     assert_all_finite(newest)
 
-    trace = read_trace(tmp_path / "trace.jsonl")
+    trace = trace_of(tmp_path)
     assert not [r for r in trace if r["step"] == bad_step and r["samples"]], "the bad step was applied"
-    assert max(r["step"] for r in trace) == bad_step - 1
+    assert max(r["step"] for r in trace) == bad_step - 1  # a stop leaves no record of the bad step
 
 
 def test_nan_under_warn_is_skipped_and_never_reaches_the_weights(tmp_path, pretrain_data):
-    result = train("train_pretrain.py", None, run_args(tmp_path, pretrain_data, "--on_anomaly", "warn",
-                                                       "--debug_inject", "nan:5"), tmp_path)
-    assert "anomaly: non-finite loss nan at step 5 (--on_anomaly warn: skip)" in result.stdout
-    assert "training finished at step 19" in result.stdout
+    train("train_pretrain.py", None, job_args(tmp_path, pretrain_data, "--on_anomaly", "warn", "--debug_inject", "nan:5"),
+          tmp_path)
+    status = status_of(tmp_path)
+    assert (status["status"], status["current_step"], status["anomaly_reason"]) == (
+        "completed", 19, "non-finite loss nan at step 5")
     final = resume_file(tmp_path)
     assert (final["epoch"], final["global_step"]) == (1, 19)
     assert_all_finite(final)
 
-    [record] = [r for r in read_trace(tmp_path / "trace.jsonl") if r["step"] == 5]
-    assert record["skipped"] is True and record["samples"] == []
-    assert len(record["skipped_samples"]) == 2
+    [record] = [r for r in trace_of(tmp_path) if r["step"] == 5]
+    assert record["skipped"] is True and record["samples"] == [] and len(record["skipped_samples"]) == 2
+    assert record["anomaly"] == "non-finite loss nan at step 5"
 
 
 def test_rollback_reloads_the_checkpoint_skips_the_bad_window_and_trains_the_rest_once(tmp_path, pretrain_data):
     # Two ranks, global batch 4, a save every 2 steps: step 4 goes bad, the run returns to the
     # step-2 checkpoint, trains step 3 again, and steps over step 4's window.
-    result = train("train_pretrain.py", 2, run_args(tmp_path, pretrain_data, "--on_anomaly", "rollback",
-                                                    "--save_interval", "2", "--debug_inject", "nan:4"), tmp_path)
-    assert "rollback 1/3: back to step 2" in result.stdout
-    assert "training finished at step 10" in result.stdout
+    train("train_pretrain.py", 2, job_args(tmp_path, pretrain_data, "--on_anomaly", "rollback", "--save_interval", "2",
+                                           "--debug_inject", "nan:4"), tmp_path)
+    assert events_of(tmp_path) == [("anomaly", 4), ("rollback", 2)]
+    status = status_of(tmp_path)
+    assert (status["status"], status["current_step"]) == ("completed", 10)
 
-    trace = read_trace(tmp_path / "trace.jsonl")
+    trace = trace_of(tmp_path)
     retrained = collections.defaultdict(list)
     for record in trace:
         if record["step"] == 3:
             retrained[record["rank"]].append(record)
+    assert sorted(retrained) == [0, 1]
     for rank, (before, after) in retrained.items():  # the rollback restored weights and RNG exactly
         assert before["samples"] == after["samples"] and before["loss"] == after["loss"], f"rank {rank}"
 
@@ -116,31 +104,70 @@ def test_rollback_reloads_the_checkpoint_skips_the_bad_window_and_trains_the_res
     assert set(trained.values()) == {1}, "a sample was trained twice"
     final = resume_file(tmp_path)
     assert (final["epoch"], final["samples_consumed"]) == (1, 0)
+    assert final["anomaly"]["rollbacks"] == 1
     assert_all_finite(final)
 
 
+def test_resume_keeps_the_rollback_count_and_still_skips_the_bad_window(tmp_path, pretrain_data):
+    # One process, 2 samples a step, a save every 2 steps. Step 6 goes bad: back to step 4, step 5
+    # trained again, then --max_steps 6 (steps 1-5 and the retrained 5) stops the run before it
+    # reaches the bad window again. The resumed run, without --debug_inject, must step over it.
+    args = job_args(tmp_path, pretrain_data, "--on_anomaly", "rollback", "--save_interval", "2")
+    train("train_pretrain.py", None, [*args, "--debug_inject", "nan:6", "--max_steps", "6"], tmp_path)
+    first_trace = trace_of(tmp_path)
+    assert [r["step"] for r in first_trace] == [1, 2, 3, 4, 5, 5]  # step 6 rolled back before it was recorded
+    bad_window = epoch_order(seed=42, epoch=0, num_samples=37)[10:12].tolist()  # step 6 of 2 samples
+    saved = resume_file(tmp_path)
+    assert (saved["global_step"], saved["samples_consumed"]) == (5, 10)
+    guard = saved["anomaly"]
+    assert guard["rollbacks"] == 1 and guard["lr_scale"] == 1.0
+    assert guard["skip_windows"] == [[0, 10]]  # epoch 0, the window starting at sample 10 (step 6's)
+    retrained_step_5 = [r for r in first_trace if r["step"] == 5][-1]
+    assert guard["detector"]["losses"][-1] == retrained_step_5["global_loss"]  # the detector's history came along
+
+    resumed_trace = tmp_path / "resumed_trace.jsonl"
+    train("train_pretrain.py", None, [*args, "--from_resume", "1", "--save_debug_train_output", str(resumed_trace)],
+          tmp_path)
+    resumed = read_trace(resumed_trace)
+    assert resumed[0]["step"] == 6 and resumed[0]["skipped"] is True and resumed[0]["samples"] == []
+    assert resumed[0]["skipped_samples"] == bad_window
+    assert [r["step"] for r in resumed] == list(range(6, 20)) and not any(r.get("skipped") for r in resumed[1:])
+
+    final_records = last_record_per_step_and_rank(first_trace + resumed)
+    trained = collections.Counter(i for r in final_records for i in r["samples"])
+    assert set(trained) == set(range(37)) - set(bad_window)
+    assert set(trained.values()) == {1}, "a sample was trained twice"
+    assert events_of(tmp_path) == [("anomaly", 6), ("rollback", 4), ("resume", 5)]
+    status = status_of(tmp_path)
+    assert (status["status"], status["current_step"], status["anomaly_detected"]) == ("completed", 19, True)
+    assert resume_file(tmp_path)["anomaly"]["rollbacks"] == 1
+
+
 def test_rollbacks_are_bounded_by_max_rollbacks(tmp_path, pretrain_data):
-    result = train("train_pretrain.py", None, run_args(tmp_path, pretrain_data, "--on_anomaly", "rollback",
+    result = train("train_pretrain.py", None, job_args(tmp_path, pretrain_data, "--on_anomaly", "rollback",
                                                        "--max_rollbacks", "1", "--save_interval", "2",
                                                        "--debug_inject", "nan:5,nan:9"), tmp_path, check=False)
     assert result.returncode == 3, result.stdout + result.stderr
-    assert "rollback 1/1: back to step 4" in result.stdout
-    assert "non-finite loss nan at step 9; giving up after 1 rollbacks" in result.stdout
-    assert read_status(status_path(tmp_path / "metrics", "pretrain_32"))["state"] == "failed"
+    assert events_of(tmp_path) == [("anomaly", 5), ("rollback", 4), ("anomaly", 9)]
+    status = status_of(tmp_path)
+    assert status["status"] == "failed"
+    assert status["anomaly_reason"] == "non-finite loss nan at step 9; giving up after 1 rollbacks (--max_rollbacks)"
     newest = resume_file(tmp_path)
-    assert newest["global_step"] == 8
+    assert newest["global_step"] == 8 and newest["anomaly"]["rollbacks"] == 1
     assert_all_finite(newest)
 
 
 def test_injected_spike_is_reported_under_warn_and_the_run_finishes(tmp_path, pretrain_data):
     # The detector needs 5 normal steps of history before it can call anything a spike.
-    result = train("train_pretrain.py", None, run_args(tmp_path, pretrain_data, "--on_anomaly", "warn",
-                                                       "--debug_inject", "spike:8"), tmp_path)
-    assert re.search(r"anomaly: (loss spike|grad norm explosion) at step 8\b", result.stdout), result.stdout
-    assert "training finished at step 19" in result.stdout
-    status = read_status(status_path(tmp_path / "metrics", "pretrain_32"))
-    assert status["state"] == "completed" and "at step 8" in status["anomaly"]["reason"]
-    trace = read_trace(tmp_path / "trace.jsonl")
+    train("train_pretrain.py", None, job_args(tmp_path, pretrain_data, "--on_anomaly", "warn", "--debug_inject",
+                                              "spike:8"), tmp_path)
+    status = status_of(tmp_path)
+    assert (status["status"], status["current_step"]) == ("completed", 19)
+    assert re.match(r"(loss spike|grad norm explosion) at step 8\b", status["anomaly_reason"]), status
+    assert events_of(tmp_path) == [("anomaly", 8)]
+    trace = trace_of(tmp_path)
     [spiked] = [r for r in trace if r["step"] == 8]
     assert spiked["samples"] and "skipped" not in spiked  # finite, so warn applies it (clipped)
+    others = sorted(r["grad_norm"] for r in trace if r["step"] != 8)
+    assert spiked["grad_norm"] > 100 * others[len(others) // 2]  # the norm before clipping to --grad_clip
     assert all(math.isfinite(r["loss"]) for r in trace)

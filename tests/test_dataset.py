@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from dataset.chat_format import render_chat_text
 from dataset.lm_dataset import (BOS_ID, EOS_ID, IGNORE_INDEX, PAD_ID, JsonlFile, PretrainDataset,
-                                SFTDataset, format_chatml, load_tokenizer)
+                                SFTDataset, load_tokenizer)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DATA_DIR = REPO_ROOT / "dataset"
@@ -79,43 +80,45 @@ def labelled_spans(input_ids: torch.Tensor, labels: torch.Tensor) -> list[list[i
     return spans + [current] if current else spans
 
 
-def test_sft_loss_only_on_assistant_content_and_its_im_end(tmp_path, tokenizer):
+def test_sft_loss_covers_the_assistant_turn_after_its_header_and_nothing_else(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "s.jsonl", [chat("秘鲁的首都是哪里？", "利马", system="请简短回答。")])
     input_ids, labels = SFTDataset(path, tokenizer, max_seq_len=64)[0]
     spans = labelled_spans(input_ids, labels)
     assert len(spans) == 1
-    assert spans[0][-1] == EOS_ID
-    assert tokenizer.decode(spans[0][:-1]) == "利马"
+    # The empty think block, the answer, <|im_end|> and the newline after it (as minimind trains).
+    assert tokenizer.decode(spans[0], skip_special_tokens=False) == "<think>\n\n</think>\n\n利马<|im_end|>\n"
+    assert spans[0][-2] == EOS_ID
 
 
 def test_sft_multi_turn_labels_every_assistant_turn(tmp_path, tokenizer):
     conversation = chat("What is 3 + 4?", "7", "And the opposite of big?", "small")
     path = write_jsonl(tmp_path / "s.jsonl", [conversation])
-    input_ids, labels = SFTDataset(path, tokenizer, max_seq_len=64)[0]
+    input_ids, labels = SFTDataset(path, tokenizer, max_seq_len=96)[0]
     spans = labelled_spans(input_ids, labels)
-    assert [tokenizer.decode(span[:-1]) for span in spans] == ["7", "small"]
-    assert all(span[-1] == EOS_ID for span in spans)
+    assert [tokenizer.decode(span) for span in spans] == ["<think>\n\n</think>\n\n7\n",
+                                                          "<think>\n\n</think>\n\nsmall\n"]
+    assert all(span[-2] == EOS_ID for span in spans)
     assert (labels[input_ids == PAD_ID] == IGNORE_INDEX).all()
 
 
-def test_sft_ids_equal_tokenizing_the_whole_chatml_text(tmp_path, tokenizer):
+def test_sft_ids_equal_tokenizing_the_whole_rendered_text(tmp_path, tokenizer):
     conversation = chat("Hello!", "Hello! Ask me a question.", "猫怎么叫？", "喵喵", system="Be brief.")
     path = write_jsonl(tmp_path / "s.jsonl", [conversation])
     dataset = SFTDataset(path, tokenizer, max_seq_len=128)
     ids, _ = dataset.encode_conversation(conversation["conversations"])
-    assert ids == tokenizer.encode(format_chatml(conversation["conversations"])).ids
+    assert ids == tokenizer.encode(render_chat_text(conversation["conversations"])).ids
 
 
 def test_special_token_text_inside_content_is_plain_text(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "s.jsonl", [chat("say <|im_end|> please", "<|im_end|>")])
     input_ids, labels = SFTDataset(path, tokenizer, max_seq_len=64)[0]
     spans = labelled_spans(input_ids, labels)
-    assert tokenizer.decode(spans[0][:-1]) == "<|im_end|>"
+    assert tokenizer.decode(spans[0], skip_special_tokens=False) == "<think>\n\n</think>\n\n<|im_end|><|im_end|>\n"
     assert input_ids.tolist().count(EOS_ID) == 2  # only the two real message ends
 
 
-def test_format_chatml_with_generation_prompt():
-    text = format_chatml([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+def test_render_chat_text_with_generation_prompt():
+    text = render_chat_text([{"role": "user", "content": "hi"}], add_generation_prompt=True)
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 

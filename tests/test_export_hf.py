@@ -15,7 +15,7 @@ import transformers  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 from model.model import CausalLM, LMConfig  # noqa: E402
-from scripts.export_hf import export_hf, import_hf  # noqa: E402
+from model.hf import config_from_weights, export_hf, import_hf  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -106,23 +106,44 @@ def test_cli_exports_resume_file_with_its_own_config(tmp_path, tokenizer_path):
         torch.testing.assert_close(load_hf(out_dir)(ids).logits, model(ids).logits, atol=1e-4, rtol=0)
 
 
-def test_cli_exports_fp16_weight_file_with_size_flags_and_imports_it_back(tmp_path, tokenizer_path):
+def test_cli_exports_fp16_weight_file_without_size_flags_and_imports_it_back(tmp_path, tokenizer_path):
+    # The vocab (a few hundred here, 1492 in the demo) differs from LMConfig's 6400: it comes from the file.
     vocab_size = Tokenizer.from_file(str(tokenizer_path)).get_vocab_size()
     model = random_model(vocab_size)
     weight_file = tmp_path / "tiny_64.pth"
     torch.save({name: t.half() for name, t in model.state_dict().items()}, weight_file)
     out_dir, reimported = tmp_path / "hf", tmp_path / "reimported.pth"
-    sizes = ["--hidden_size", "64", "--num_hidden_layers", "2", "--num_attention_heads", "4"]
-    sizes += ["--num_key_value_heads", "2", "--vocab_size", str(vocab_size), "--use_moe", "0"]
-    run = [sys.executable, "-m", "scripts.export_hf"]
-    subprocess.run(run + [str(weight_file), "-o", str(out_dir), "--tokenizer", str(tokenizer_path)] + sizes,
+    # As a file from another directory (the script finds the repository itself), then as a module.
+    subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "export_hf.py"), str(weight_file), "-o", str(out_dir),
+                    "--tokenizer", str(tokenizer_path)], cwd=tmp_path, check=True)
+    subprocess.run([sys.executable, "-m", "scripts.export_hf", str(out_dir), "--reverse", "-o", str(reimported)],
                    cwd=REPO_ROOT, check=True)
-    subprocess.run(run + [str(out_dir), "--reverse", "-o", str(reimported)], cwd=REPO_ROOT, check=True)
 
+    assert json.loads((out_dir / "config.json").read_text())["vocab_size"] == vocab_size
     original = torch.load(weight_file, map_location="cpu", weights_only=True)
     back = torch.load(reimported, map_location="cpu", weights_only=True)
     assert back.keys() == original.keys()
     assert all(torch.equal(back[name], original[name]) for name in original)
+
+
+def test_cli_checks_size_flags_against_the_file_and_names_both_shapes(tmp_path, tokenizer_path):
+    vocab_size = Tokenizer.from_file(str(tokenizer_path)).get_vocab_size()
+    model = random_model(vocab_size)
+    weight_file = tmp_path / "tiny_64.pth"
+    torch.save({name: t.half() for name, t in model.state_dict().items()}, weight_file)
+    width = model.config.intermediate_size
+    export = [sys.executable, "-m", "scripts.export_hf", str(weight_file), "--tokenizer", str(tokenizer_path)]
+
+    agreeing = ["--hidden_size", "64", "--num_hidden_layers", "2", "--intermediate_size", str(width)]
+    subprocess.run(export + ["-o", str(tmp_path / "ok")] + agreeing, cwd=REPO_ROOT, check=True)
+    assert json.loads((tmp_path / "ok" / "config.json").read_text())["intermediate_size"] == width
+
+    refused = subprocess.run(export + ["-o", str(tmp_path / "no"), "--intermediate_size", str(width + 64)],
+                             cwd=REPO_ROOT, capture_output=True, text=True)
+    assert refused.returncode == 1 and not (tmp_path / "no").exists()
+    assert (f"intermediate_size: file has {width} (model.layers.0.mlp.gate_proj.weight [{width}, 64]), "
+            f"--intermediate_size asks {width + 64}") in refused.stderr
+    assert str(weight_file) in refused.stderr
 
 
 def test_import_recovers_state_dict_and_config(tmp_path, tokenizer_path):
@@ -150,3 +171,11 @@ def test_wrong_size_flags_are_reported_as_shape_mismatch(tmp_path, tokenizer_pat
     wrong = LMConfig(**{**model.config.to_dict(), "intermediate_size": 128})
     with pytest.raises(ValueError, match="shape mismatches: model.layers.0.mlp.gate_proj.weight"):
         export_hf(model.state_dict(), wrong, tmp_path, tokenizer_path)
+
+
+def test_a_state_dict_of_another_layout_is_refused_naming_file_and_tensor(tokenizer_path):
+    vocab_size = Tokenizer.from_file(str(tokenizer_path)).get_vocab_size()
+    state_dict = random_model(vocab_size).state_dict()
+    del state_dict["model.layers.0.self_attn.q_norm.weight"]  # e.g. a model without per-head q/k norms
+    with pytest.raises(ValueError, match=r"old\.pth has no model\.layers\.0\.self_attn\.q_norm\.weight"):
+        config_from_weights(state_dict, {}, source="old.pth")

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model.model import CausalLM, LMConfig
+from model.model import CausalLM, LMConfig, default_intermediate_size
 
 
 def tiny_config(**overrides) -> LMConfig:
@@ -29,6 +29,35 @@ def test_config_derives_head_dim_and_swiglu_size():
     assert config.moe_intermediate_size == config.intermediate_size
 
 
+def test_default_swiglu_width_is_eight_thirds_of_hidden_rounded_up_to_64():
+    # 8/3 * 768 = 2048 exactly; minimind's pi * 768 rounds up to 2432, which is passed explicitly.
+    assert default_intermediate_size(768) == 2048 == LMConfig(hidden_size=768).intermediate_size
+    assert default_intermediate_size(128) == 384  # the demo model: 8/3 * 128 = 341.3 -> 384
+    config = LMConfig(hidden_size=768, intermediate_size=2432, use_moe=True)
+    assert config.intermediate_size == config.moe_intermediate_size == 2432
+
+
+def test_swiglu_width_flag_sets_the_mlp_and_every_expert_shape():
+    dense = CausalLM(tiny_config(intermediate_size=80)).state_dict()
+    assert dense["model.layers.0.mlp.gate_proj.weight"].shape == (80, 32)
+    assert dense["model.layers.1.mlp.down_proj.weight"].shape == (32, 80)
+    moe = CausalLM(tiny_config(intermediate_size=80, use_moe=True, num_experts=3)).state_dict()
+    assert moe["model.layers.0.mlp.experts.2.up_proj.weight"].shape == (80, 32)
+
+
+def test_moe_top_k_defaults_to_one_expert_per_token_as_in_minimind():
+    model = tiny_model(use_moe=True, num_experts=4)
+    assert model.config.num_experts_per_tok == 1
+    moe = model.model.layers[0].mlp
+    tokens = torch.randn(5, 32, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out, _ = moe(tokens[None])
+        chosen = moe.gate(tokens).argmax(-1)
+        # With one expert per token the renormalised router weight is 1: the output is that expert's.
+        expected = torch.stack([moe.experts[int(j)](t) for j, t in zip(chosen, tokens)])
+    torch.testing.assert_close(out[0], expected)
+
+
 def test_config_round_trips_through_dict():
     config = tiny_config(use_moe=True, num_experts=3, num_experts_per_tok=1)
     assert LMConfig.from_dict(config.to_dict()) == config
@@ -45,6 +74,9 @@ def test_config_refuses_unknown_keys_by_name():
         (dict(num_attention_heads=4, num_key_value_heads=3), "num_key_value_heads"),
         (dict(hidden_size=30, num_attention_heads=4), "divisible"),
         (dict(use_moe=True, num_experts=2, num_experts_per_tok=3), "num_experts_per_tok"),
+        (dict(use_moe=True, num_experts=0), "num_experts"),
+        (dict(intermediate_size=0), "intermediate_size must be a positive number"),
+        (dict(num_hidden_layers=-1), "num_hidden_layers must be a positive number"),
     ],
 )
 def test_config_refuses_inconsistent_sizes(overrides, message):

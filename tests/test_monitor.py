@@ -1,17 +1,19 @@
-"""The anomaly detector on constructed curves, and the metrics/status files of MetricsFileWriter."""
+"""The anomaly detector and guard on constructed curves, and the metrics/status files of MetricsFileWriter."""
 
 from __future__ import annotations
 
 import json
 import math
 import random
+import re
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
 
-from trainer.anomaly import AnomalyDetector
-from trainer.metrics_files import MetricsFileWriter, is_train_record, read_metrics, read_status
+from trainer.anomaly import AnomalyDetector, AnomalyGuard, StepAction
+from trainer.metrics_files import STATUS_FIELDS, MetricsFileWriter, is_train_record, read_metrics, read_status
 
 
 # ---- AnomalyDetector ----
@@ -88,6 +90,25 @@ def test_state_dict_round_trip_keeps_the_statistics():
     assert "spike" in restored.check(7, 5.0, 1.0)
 
 
+def test_guard_state_round_trip_keeps_rollbacks_lr_scale_and_skip_windows():
+    guard = AnomalyGuard("rollback", patience=0, max_rollbacks=2, lr_factor=0.5)
+    for step, loss in enumerate([2.0, 2.02, 1.98, 2.01, 1.99, 2.0], start=1):
+        assert guard.verdict(step, loss, 1.0, True) == (StepAction.APPLY, "")
+    action, reason = guard.verdict(7, float("nan"), 1.0, True)
+    assert action == StepAction.ROLLBACK and "non-finite loss nan at step 7" in reason
+    guard.plan_rollback(epoch=0, window_start=24)
+
+    restored = AnomalyGuard("rollback", patience=0, max_rollbacks=2, lr_factor=0.5)
+    restored.load_state_dict(json.loads(json.dumps(guard.state_dict())))  # plain types only
+    assert (restored.rollbacks, restored.lr_scale) == (1, 0.5)
+    assert restored.should_skip(0, 24) and not restored.should_skip(0, 16) and not restored.should_skip(1, 24)
+    assert "spike" in restored.verdict(8, 5.0, 1.0, True)[1]  # the detector's history came along
+    guard.plan_rollback(epoch=1, window_start=8)
+    restored.plan_rollback(epoch=1, window_start=8)
+    # the rollback budget continues where it was: the third bad step stops the run
+    assert restored.verdict(9, float("nan"), 1.0, True)[0] == StepAction.STOP
+
+
 # ---- MetricsFileWriter ----
 
 def fake_run(global_step: int, total: int = 20) -> SimpleNamespace:
@@ -108,34 +129,40 @@ def log_steps(writer: MetricsFileWriter, run: SimpleNamespace, steps: range) -> 
         writer.on_log(run, metrics_at(step))
 
 
-def test_fresh_run_writes_one_line_per_log_and_a_valid_status(tmp_path):
+def test_fresh_run_writes_one_line_per_log_and_a_status_with_the_spec_fields(tmp_path):
     writer, run = MetricsFileWriter(str(tmp_path / "metrics"), "pretrain_32"), fake_run(0)
     (tmp_path / "metrics").mkdir()
     (tmp_path / "metrics" / "pretrain_32_metrics.jsonl").write_text('{"step": 99, "loss": 1}\n')  # an older run
     writer.on_train_begin(run)
     status = read_status(tmp_path / "metrics" / "pretrain_32_status.json")
-    assert status["state"] == "running" and status["step"] == 0 and status["total_steps"] == 20
+    assert set(STATUS_FIELDS) <= set(status)
+    assert (status["status"], status["current_step"], status["total_steps"]) == ("running", 0, 20)
+    assert status["latest_metrics"] == {} and status["anomaly_detected"] is False and status["anomaly_reason"] is None
+    assert re.fullmatch(r"pretrain_32-\d{8}-\d{6}", status["job_id"])
     log_steps(writer, run, range(1, 6))
     writer.on_validation_end(run, {"step": 5, "val/loss": 2.7})
 
     records = read_metrics(tmp_path / "metrics" / "pretrain_32_metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 5]
-    assert all("time" in r for r in records) and records[-1]["val/loss"] == 2.7
+    timestamps = [r["timestamp"] for r in records]
+    assert timestamps == sorted(timestamps) and status["started"] <= timestamps[0]
+    assert records[-1]["val/loss"] == 2.7
     assert records[0]["loss"] == pytest.approx(2.9) and records[0]["samples_consumed"] == 8
     status = read_status(tmp_path / "metrics" / "pretrain_32_status.json")
-    assert status["step"] == 5 and status["total_steps"] == 20 and status["epoch"] == 0
-    assert status["latest"]["loss"] == pytest.approx(2.5)
+    assert (status["current_step"], status["total_steps"], status["epoch"]) == (5, 20, 0)
+    assert status["latest_metrics"] == records[4]  # the last training line, timestamp included
     assert status["best_loss"] == pytest.approx(2.5) and status["best_step"] == 5
-    assert status["latest_val"]["val/loss"] == 2.7 and status["anomaly"] is None
+    assert status["latest_val"]["val/loss"] == 2.7 and status["anomaly_detected"] is False
     assert status["updated"] >= status["started"]
 
 
-def test_resume_cuts_the_file_back_so_every_step_appears_once(tmp_path):
+def test_resume_cuts_the_file_back_so_every_step_appears_once_and_keeps_the_job_id(tmp_path):
     first = MetricsFileWriter(str(tmp_path), "run")
     run = fake_run(0)
     first.on_train_begin(run)
     log_steps(first, run, range(1, 11))
     first.on_train_end(run, "stopped")  # killed at 10, last checkpoint at step 6
+    job_id = read_status(tmp_path / "run_status.json")["job_id"]
 
     second = MetricsFileWriter(str(tmp_path), "run")
     second.on_train_begin(fake_run(6))
@@ -146,27 +173,56 @@ def test_resume_cuts_the_file_back_so_every_step_appears_once(tmp_path):
     train_steps = [r["step"] for r in records if "event" not in r]
     assert train_steps == list(range(1, 13))
     resumes = [r for r in records if r.get("event") == "resume"]
-    assert len(resumes) == 1 and resumes[0]["step"] == 6
+    assert len(resumes) == 1 and resumes[0]["step"] == 6 and "timestamp" in resumes[0]
     assert [r["step"] for r in records].index(6) + 1 == records.index(resumes[0])  # right after step 6
     status = read_status(tmp_path / "run_status.json")
-    assert status["resumed_from"] == 6 and status["step"] == 12
+    assert status["resumed_from"] == 6 and status["current_step"] == 12 and status["job_id"] == job_id
     assert status["best_step"] == 12  # best recomputed from the kept steps, then updated
+
+    MetricsFileWriter(str(tmp_path), "run").on_train_begin(fake_run(0))  # a fresh run of the same name
+    assert read_status(tmp_path / "run_status.json")["resumed_from"] is None
+    assert read_metrics(tmp_path / "run_metrics.jsonl") == []
+
+
+def test_a_fresh_run_gets_a_new_job_id(tmp_path, monkeypatch):
+    clock = [1_700_000_000.0]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    MetricsFileWriter(str(tmp_path), "run").on_train_begin(fake_run(0))
+    assert read_status(tmp_path / "run_status.json")["job_id"] == "run-20231114-221320"
+    clock[0] += 61
+    MetricsFileWriter(str(tmp_path), "run").on_train_begin(fake_run(0))
+    assert read_status(tmp_path / "run_status.json")["job_id"] == "run-20231114-221421"
 
 
 def test_status_goes_running_then_completed_and_records_anomalies(tmp_path):
     writer, run = MetricsFileWriter(str(tmp_path), "run"), fake_run(0, total=3)
     writer.on_train_begin(run)
-    assert read_status(tmp_path / "run_status.json")["state"] == "running"
+    assert read_status(tmp_path / "run_status.json")["status"] == "running"
     log_steps(writer, run, range(1, 3))
     reason = "loss spike at step 2: 9.0 > 3.1"
     writer.on_anomaly(run, 2, reason)
     status = read_status(tmp_path / "run_status.json")
-    assert status["state"] == "running" and status["anomaly"] == {"step": 2, "reason": reason}
+    assert status["status"] == "running"
+    assert (status["anomaly_detected"], status["anomaly_reason"], status["anomaly_step"]) == (True, reason, 2)
     log_steps(writer, run, range(3, 4))
     writer.on_train_end(run, "completed")
     status = read_status(tmp_path / "run_status.json")
-    assert status["state"] == "completed" and status["step"] == 3 and status["total_steps"] == 3
-    assert any(r.get("event") == "anomaly" for r in read_metrics(tmp_path / "run_metrics.jsonl"))
+    assert (status["status"], status["current_step"], status["total_steps"]) == ("completed", 3, 3)
+    assert status["anomaly_detected"] is True  # still known at the end of the run
+    [event] = [r for r in read_metrics(tmp_path / "run_metrics.jsonl") if "event" in r]
+    assert (event["event"], event["step"], event["reason"]) == ("anomaly", 2, reason) and "timestamp" in event
+
+
+def test_a_resumed_run_still_reports_the_anomaly_of_an_earlier_invocation(tmp_path):
+    writer, run = MetricsFileWriter(str(tmp_path), "run"), fake_run(0)
+    writer.on_train_begin(run)
+    log_steps(writer, run, range(1, 5))
+    writer.on_anomaly(run, 3, "loss spike at step 3")
+    writer.on_train_end(run, "stopped")
+    MetricsFileWriter(str(tmp_path), "run").on_train_begin(fake_run(4))
+    status = read_status(tmp_path / "run_status.json")
+    assert (status["anomaly_detected"], status["anomaly_reason"], status["anomaly_step"]) == (
+        True, "loss spike at step 3", 3)
 
 
 def test_unknown_end_status_is_refused(tmp_path):
@@ -174,6 +230,14 @@ def test_unknown_end_status_is_refused(tmp_path):
     writer.on_train_begin(run)
     with pytest.raises(ValueError, match="unknown run status"):
         writer.on_train_end(run, "finished")
+
+
+def test_a_status_file_without_the_spec_fields_is_refused_naming_them(tmp_path):
+    old = tmp_path / "run_status.json"
+    old.write_text(json.dumps({"run_name": "run", "state": "running", "step": 3, "total_steps": 10, "latest": {}}))
+    with pytest.raises(ValueError, match=r"run_status\.json: not a status file of this trainer, missing job_id, "
+                                         r"status, current_step, anomaly_detected, anomaly_reason, latest_metrics"):
+        read_status(old)
 
 
 def test_status_file_is_always_valid_json_while_being_rewritten(tmp_path):
@@ -208,12 +272,15 @@ def test_rollback_cuts_back_the_metrics_but_keeps_the_anomaly_that_caused_it(tmp
     writer.on_anomaly(run, 7, "non-finite loss nan at step 7")
     run.global_step = 4  # the checkpoint the loop rolled back to
     writer.on_rollback(run, 4)
+    assert read_status(tmp_path / "run_status.json")["current_step"] == 4
     log_steps(writer, run, range(5, 9))
     records = read_metrics(tmp_path / "run_metrics.jsonl")
     steps = [r["step"] for r in records if is_train_record(r)]
     assert steps == list(range(1, 9))  # steps 5 and 6 were logged twice, kept once
     events = [(r["event"], r["step"]) for r in records if "event" in r]
     assert events == [("anomaly", 7), ("rollback", 4)]
-    assert read_status(tmp_path / "run_status.json")["anomaly"]["step"] == 7
+    status = read_status(tmp_path / "run_status.json")
+    assert status["anomaly_step"] == 7 and status["anomaly_reason"] == "non-finite loss nan at step 7"
     writer.on_log(run, metrics_at(9, loss=float("nan")))  # written as null: strict JSON stays valid
     assert json.loads((tmp_path / "run_metrics.jsonl").read_text().splitlines()[-1])["loss"] is None
+    assert read_status(tmp_path / "run_status.json")["latest_metrics"]["loss"] is None

@@ -1,4 +1,9 @@
-"""Resume that loses nothing, proven with real torchrun/gloo processes on the CPU."""
+"""Resume that loses nothing, proven with real torchrun/gloo processes on the CPU.
+
+Each test reads what the runs left on disk: the resume files (weights, optimizer, RNG, cursor),
+the trace (which samples each rank trained at each step, on which world size) and the metrics
+file (where a resume happened).
+"""
 
 from __future__ import annotations
 
@@ -11,17 +16,9 @@ import time
 import pytest
 import torch
 
-from conftest import TINY_MODEL, child_env, launch_command, read_trace, slowed_env, train
-
-
-def run_args(tmp_path, data, trace, *extra) -> list[str]:
-    return ["--data_path", str(data), "--save_dir", str(tmp_path / "out"), "--checkpoint_dir",
-            str(tmp_path / "ckpt"), "--save_debug_train_output", str(trace), "--log_interval", "1",
-            "--save_interval", "1000", *extra]
-
-
-def resume_file(tmp_path, name="pretrain_32") -> dict:
-    return torch.load(tmp_path / "ckpt" / f"{name}_resume.pth", weights_only=True)
+from conftest import (TINY_MODEL, assert_each_sample_once, assert_states_equal, events_of, history_file,
+                      launch_command, read_trace, resume_file, run_args, slowed_env, status_of, trace_of, train)
+from model.model import CausalLM, LMConfig
 
 
 def losses_by_step(trace: list[dict]) -> dict[int, list[float]]:
@@ -31,21 +28,40 @@ def losses_by_step(trace: list[dict]) -> dict[int, list[float]]:
     return dict(by_step)
 
 
-def samples_per_epoch(trace: list[dict]) -> dict[int, collections.Counter]:
-    seen = collections.defaultdict(collections.Counter)
-    for record in trace:
-        seen[record["epoch"]].update(record["samples"])
-    return seen
+def world_size_by_step(trace: list[dict]) -> dict[int, int]:
+    return {r["step"]: r["world_size"] for r in trace}
 
 
-def assert_states_equal(a: dict, b: dict) -> None:
-    assert a["model"].keys() == b["model"].keys()
-    for key in a["model"]:
-        assert torch.equal(a["model"][key], b["model"][key]), f"model tensor {key} differs"
-    for pa, pb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
-        for key in pa:
-            assert torch.equal(torch.as_tensor(pa[key]), torch.as_tensor(pb[key])), f"optimizer {key} differs"
-    assert a["samples_consumed"] == b["samples_consumed"] and a["epoch"] == b["epoch"]
+def small_training_state() -> dict:
+    """A resume-like state of a real model after one AdamW step."""
+    torch.manual_seed(0)
+    model = CausalLM(LMConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                              num_key_value_heads=2))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, 64, (2, 8)), labels=torch.randint(0, 64, (2, 8))).loss.backward()
+    optimizer.step()
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": None,
+            "rng": [{"torch": torch.get_rng_state()}], "epoch": 0, "step": 1, "global_step": 1, "samples_consumed": 2}
+
+
+def test_state_comparison_catches_a_truncated_optimizer_state():
+    state = small_training_state()
+    assert_states_equal(state, small_training_state())  # the same seed gives the same state, bit for bit
+
+    truncated = small_training_state()
+    del truncated["optimizer"]["state"][max(truncated["optimizer"]["state"])]  # the last parameter's moments
+    with pytest.raises(AssertionError, match=r"optimizer\.state: keys differ"):
+        assert_states_equal(state, truncated)
+
+    fewer_params = small_training_state()
+    fewer_params["optimizer"]["param_groups"][0]["params"].pop()
+    with pytest.raises(AssertionError, match=r"optimizer\.param_groups\[0\]\.params: length"):
+        assert_states_equal(state, fewer_params)
+
+    no_rank = small_training_state()
+    no_rank["rng"] = []
+    with pytest.raises(AssertionError, match=r"rng: length 1 vs 0"):
+        assert_states_equal(state, no_rank)
 
 
 @pytest.mark.parametrize("script,data_fixture,name", [
@@ -56,52 +72,60 @@ def test_resume_on_same_world_size_is_bit_identical(tmp_path, request, script, d
     data = request.getfixturevalue(data_fixture)
     common = ["--batch_size", "2", "--accumulation_steps", "2", "--epochs", "1", "--from_weight", "none"]
     straight, split = tmp_path / "straight", tmp_path / "split"
-    train(script, 2, run_args(straight, data, straight / "trace.jsonl", *common, "--max_steps", "7"), tmp_path)
-    train(script, 2, run_args(split, data, split / "trace.jsonl", *common, "--max_steps", "3"), tmp_path)
-    result = train(script, 2, run_args(split, data, split / "trace.jsonl", *common, "--max_steps", "4",
-                                       "--from_resume", "1"), tmp_path)
-    assert "resuming at sample 24 of epoch 1 (exact" in result.stdout
+    train(script, 2, run_args(straight, data, *common, "--max_steps", "7"), tmp_path)
+    train(script, 2, run_args(split, data, *common, "--max_steps", "3"), tmp_path)
+    train(script, 2, run_args(split, data, *common, "--max_steps", "4", "--from_resume", "1"), tmp_path)
+
+    # The second invocation started from step 3, i.e. sample 3 x 8 = 24 of the epoch.
+    assert events_of(split, name) == [("resume", 3)]
+    assert history_file(split, 3, name)["samples_consumed"] == 24
     assert_states_equal(resume_file(straight, name), resume_file(split, name))
-    assert losses_by_step(read_trace(straight / "trace.jsonl")) == losses_by_step(read_trace(split / "trace.jsonl"))
+    assert losses_by_step(trace_of(straight)) == losses_by_step(trace_of(split))
+    step_ranks = [(r["step"], r["rank"]) for r in trace_of(split)]
+    assert len(step_ranks) == len(set(step_ranks)), "a step was trained twice"
 
 
 def test_resume_on_two_then_three_then_one_rank_trains_each_sample_once(tmp_path, pretrain_data):
     # 37 samples, batch 2: global batches 4, 6 and 2; stops mid-epoch and across the epoch boundary.
-    trace = tmp_path / "trace.jsonl"
-    common = ["--batch_size", "2", "--epochs", "2"]
-    train("train_pretrain.py", 2, run_args(tmp_path, pretrain_data, trace, *common, "--max_steps", "5"), tmp_path)
-    result = train("train_pretrain.py", 3, run_args(tmp_path, pretrain_data, trace, *common, "--max_steps", "5",
-                                                     "--from_resume", "1"), tmp_path)
-    assert "world size 2 -> 3" in result.stdout and "resuming at sample 20 of epoch 1" in result.stdout
-    result = train("train_pretrain.py", None, run_args(tmp_path, pretrain_data, trace, *common,
-                                                        "--from_resume", "1"), tmp_path)
-    assert "world size 3 -> 1" in result.stdout and "resuming at sample 12 of epoch 2" in result.stdout
-    seen = samples_per_epoch(read_trace(trace))
-    for epoch in (0, 1):
-        assert sorted(seen[epoch]) == list(range(37)), f"epoch {epoch} missed samples"
-        assert set(seen[epoch].values()) == {1}, f"epoch {epoch} repeated samples"
+    common = run_args(tmp_path, pretrain_data, "--batch_size", "2", "--epochs", "2")
+    train("train_pretrain.py", 2, [*common, "--max_steps", "5"], tmp_path)
+    first = resume_file(tmp_path)
+    assert (first["world_size"], first["epoch"], first["samples_consumed"]) == (2, 0, 20)  # 5 steps x 4
+    train("train_pretrain.py", 3, [*common, "--max_steps", "5", "--from_resume", "1"], tmp_path)
+    second = resume_file(tmp_path)
+    # From sample 20: 17 left in epoch 0 (steps of 6, 6, 5), then 2 steps of 6 into epoch 1.
+    assert (second["world_size"], second["epoch"], second["samples_consumed"]) == (3, 1, 12)
+    train("train_pretrain.py", None, [*common, "--from_resume", "1"], tmp_path)
+
+    trace = trace_of(tmp_path)
+    sizes = world_size_by_step(trace)
+    last_step = max(sizes)
+    assert sizes == {**{s: 2 for s in range(1, 6)}, **{s: 3 for s in range(6, 11)}, **{s: 1 for s in range(11, last_step + 1)}}
+    assert last_step == 10 + 13  # 25 samples left in epoch 1 at 2 per step
+    assert_each_sample_once(trace, num_samples=37, epochs=2)
     final = resume_file(tmp_path)
-    assert (final["epoch"], final["samples_consumed"]) == (2, 0)
+    assert (final["epoch"], final["samples_consumed"], final["global_step"]) == (2, 0, last_step)
 
 
 def test_fixed_global_batch_gives_same_loss_curve_on_two_and_four_ranks(tmp_path, pretrain_data):
     common = ["--batch_size", "1", "--global_batch_size", "8", "--epochs", "1"]
     straight, split = tmp_path / "straight", tmp_path / "split"
-    train("train_pretrain.py", 2, run_args(straight, pretrain_data, straight / "t.jsonl", *common), tmp_path)
-    train("train_pretrain.py", 2, run_args(split, pretrain_data, split / "t.jsonl", *common, "--max_steps", "2"),
-          tmp_path)
-    result = train("train_pretrain.py", 4, run_args(split, pretrain_data, split / "t.jsonl", *common,
-                                                    "--from_resume", "1"), tmp_path)
-    assert "global batch 8 kept" in result.stdout
+    train("train_pretrain.py", 2, run_args(straight, pretrain_data, *common), tmp_path)
+    train("train_pretrain.py", 2, run_args(split, pretrain_data, *common, "--max_steps", "2"), tmp_path)
+    train("train_pretrain.py", 4, run_args(split, pretrain_data, *common, "--from_resume", "1"), tmp_path)
+    # The resumed run kept G = 8 by deriving accumulation 8 / (1 x 4) = 2 (it was 4 on 2 ranks).
+    saved = resume_file(split)["train_args"]
+    assert (saved["global_batch_size"], saved["world_size"], saved["accumulation_steps"]) == (8, 4, 2)
+    assert world_size_by_step(trace_of(split)) == {1: 2, 2: 2, 3: 4, 4: 4, 5: 4}
 
     def global_losses(trace):
         sums, tokens = collections.Counter(), collections.Counter()
-        for r in read_trace(trace):
+        for r in trace:
             sums[r["step"]] += r["loss_sum"]
             tokens[r["step"]] += r["local_tokens"]
         return [sums[s] / tokens[s] for s in sorted(sums)]
 
-    a, b = global_losses(straight / "t.jsonl"), global_losses(split / "t.jsonl")
+    a, b = global_losses(trace_of(straight)), global_losses(trace_of(split))
     assert len(a) == len(b) == 5
     assert a[:2] == b[:2]  # same ranks, same order: identical before the switch
     # After the switch only the summation order differs: float32 reduction noise (measured ~1e-7).
@@ -110,16 +134,17 @@ def test_fixed_global_batch_gives_same_loss_curve_on_two_and_four_ranks(tmp_path
 
 def test_python_and_torchrun_one_rank_use_the_same_sample_order(tmp_path, pretrain_data):
     common = ["--batch_size", "4", "--epochs", "1", "--max_steps", "6"]
-    train("train_pretrain.py", None, run_args(tmp_path / "py", pretrain_data, tmp_path / "py.jsonl", *common), tmp_path)
-    train("train_pretrain.py", 1, run_args(tmp_path / "tr", pretrain_data, tmp_path / "tr.jsonl", *common), tmp_path)
-    py, tr = read_trace(tmp_path / "py.jsonl"), read_trace(tmp_path / "tr.jsonl")
+    train("train_pretrain.py", None, run_args(tmp_path / "py", pretrain_data, *common), tmp_path)
+    train("train_pretrain.py", 1, run_args(tmp_path / "tr", pretrain_data, *common), tmp_path)
+    py, tr = trace_of(tmp_path / "py"), trace_of(tmp_path / "tr")
+    assert len(py) == len(tr) == 6
     assert [r["samples"] for r in py] == [r["samples"] for r in tr]
     assert [r["loss"] for r in py] == [r["loss"] for r in tr]
 
 
 def test_sigterm_saves_exits_zero_and_resume_keeps_each_sample_once(tmp_path, pretrain_data):
+    args = run_args(tmp_path, pretrain_data, "--batch_size", "1", "--epochs", "1")
     trace = tmp_path / "trace.jsonl"
-    args = run_args(tmp_path, pretrain_data, trace, "--batch_size", "1", "--epochs", "1")
     launcher = subprocess.Popen(launch_command("train_pretrain.py", 2, [*TINY_MODEL, *args]), cwd=tmp_path,
                                 env=slowed_env(step_delay_s=0.2), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
@@ -133,12 +158,16 @@ def test_sigterm_saves_exits_zero_and_resume_keeps_each_sample_once(tmp_path, pr
         os.kill(pid, signal.SIGTERM)
     output, _ = launcher.communicate(timeout=120)
     assert launcher.returncode == 0, output
-    assert "SIGTERM" in output and "--from_resume 1" in output
+    assert "(SIGTERM)" in output  # only the log says why it stopped
     stopped_at = resume_file(tmp_path)["global_step"]
-    assert 3 <= stopped_at < 18
+    assert 3 <= stopped_at < 18  # signalled after 3 steps at the earliest, long before the end (18 steps)
+    status = status_of(tmp_path)
+    assert (status["status"], status["current_step"]) == ("stopped", stopped_at)
+
     train("train_pretrain.py", 2, [*args, "--from_resume", "1"], tmp_path)
-    seen = samples_per_epoch(read_trace(trace))[0]
-    assert sorted(seen) == list(range(37)) and set(seen.values()) == {1}
+    assert events_of(tmp_path) == [("resume", stopped_at)]
+    assert_each_sample_once(trace_of(tmp_path), num_samples=37, epochs=1)
+    assert status_of(tmp_path)["status"] == "completed"
 
 
 @pytest.mark.parametrize("flag,value,field", [
@@ -147,7 +176,7 @@ def test_sigterm_saves_exits_zero_and_resume_keeps_each_sample_once(tmp_path, pr
     ("--data_path", None, "data.lines"),
 ])
 def test_resume_refuses_a_changed_setting_naming_the_field(tmp_path, pretrain_data, flag, value, field):
-    args = run_args(tmp_path, pretrain_data, tmp_path / "t.jsonl", "--batch_size", "2", "--max_steps", "2")
+    args = run_args(tmp_path, pretrain_data, "--batch_size", "2", "--max_steps", "2")
     train("train_pretrain.py", None, args, tmp_path)
     if flag == "--data_path":
         other = tmp_path / "other.jsonl"
@@ -159,10 +188,13 @@ def test_resume_refuses_a_changed_setting_naming_the_field(tmp_path, pretrain_da
     result = train("train_pretrain.py", None, changed, tmp_path, check=False)
     assert result.returncode != 0
     assert field in result.stderr and "cannot resume" in result.stderr
+    assert resume_file(tmp_path)["global_step"] == 2  # nothing was trained or saved after the refusal
+    assert len(trace_of(tmp_path)) == 2
 
 
 def test_from_resume_with_nothing_to_resume_says_so_and_starts_fresh(tmp_path, pretrain_data):
-    args = run_args(tmp_path, pretrain_data, tmp_path / "t.jsonl", "--max_steps", "1", "--from_resume", "1")
+    args = run_args(tmp_path, pretrain_data, "--max_steps", "1", "--from_resume", "1")
     result = train("train_pretrain.py", None, args, tmp_path)
     assert "no checkpoint of pretrain_32" in result.stdout and "starting fresh" in result.stdout
     assert resume_file(tmp_path)["global_step"] == 1
+    assert events_of(tmp_path) == [] and status_of(tmp_path)["resumed_from"] is None

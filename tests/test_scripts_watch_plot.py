@@ -10,11 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from conftest import REPO, child_env
 from scripts.plot_metrics import plot_metrics
 from scripts.watch_run import render_summary
-from trainer.metrics_files import MetricsFileWriter, read_metrics
-
-REPO = Path(__file__).resolve().parent.parent
+from trainer.metrics_files import STATUS_FIELDS, MetricsFileWriter, read_metrics
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -38,40 +37,71 @@ def write_run(metrics_dir: Path, name: str, resume_at: int | None = None, last_s
 
 
 def run_script(module: str, *args: str) -> subprocess.CompletedProcess:
-    # From the repository root, as the README shows; the editable install makes imports work anywhere.
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=60)
+    """`python -m scripts.x ...` from the repository root, as the README shows."""
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=child_env(), capture_output=True,
+                          text=True, timeout=60)
+
+
+def run_script_by_path(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`python /path/to/scripts/x.py ...` from any directory, with nothing installed or on PYTHONPATH."""
+    return subprocess.run([sys.executable, str(REPO / "scripts" / script), *args], cwd=cwd, env=child_env(),
+                          capture_output=True, text=True, timeout=60)
+
+
+def full_status(**fields) -> dict:
+    """A status object with every field of the spec, as MetricsFileWriter writes it."""
+    return {"job_id": "r-20260101-000000", "run_name": "r", "status": "running", "current_step": 3,
+            "total_steps": 10, "anomaly_detected": False, "anomaly_reason": None, "latest_metrics": {},
+            "updated": 0.0, **fields}
 
 
 def test_render_summary_shows_the_key_numbers():
-    status = {"run_name": "pretrain_512", "state": "running", "step": 250, "total_steps": 1000, "epoch": 1,
-              "latest": {"step": 250, "epoch": 1, "loss": 2.3456, "lr": 3e-4, "grad_norm": 0.812,
-                         "tokens_per_s": 12345.0, "eta_s": 3725.0, "mfu": 0.41},
-              "best_loss": 2.2101, "best_step": 240, "anomaly": {"step": 230, "reason": "loss spike at step 230"},
-              "updated": 1000.0, "started": 0.0}
-    records = [{"step": 100, "event": "resume", "time": 1.0}, {"step": 200, "val/loss": 2.5432, "time": 2.0}]
+    status = full_status(job_id="pretrain_512-20260101-120000", run_name="pretrain_512", current_step=250,
+                         total_steps=1000, epoch=1,
+                         latest_metrics={"step": 250, "epoch": 1, "loss": 2.3456, "lr": 3e-4, "grad_norm": 0.812,
+                                         "tokens_per_s": 12345.0, "eta_s": 3725.0, "mfu": 0.41, "timestamp": 999.0},
+                         best_loss=2.2101, best_step=240, anomaly_detected=True,
+                         anomaly_reason="loss spike at step 230", anomaly_step=230, updated=1000.0, started=0.0)
+    assert set(STATUS_FIELDS) <= set(status)
+    records = [{"step": 100, "event": "resume", "timestamp": 1.0}, {"step": 200, "val/loss": 2.5432, "timestamp": 2.0}]
     text = render_summary(status, records, now=1012.0)
-    for expected in ("pretrain_512", "running", "250/1000", "25.0%", "epoch 2", "ETA 1h02m05s", "2.3456",
-                     "3.00e-04", "0.812", "12345", "mfu 0.41", "best loss 2.2101 at step 240",
-                     "val/loss 2.5432 at step 200", "resumes: 1 (at steps 100)", "loss spike at step 230",
-                     "0h00m12s ago"):
+    for expected in ("pretrain_512", "running", "job pretrain_512-20260101-120000", "250/1000", "25.0%", "epoch 2",
+                     "ETA 1h02m05s", "2.3456", "3.00e-04", "0.812", "12345", "mfu 0.41",
+                     "best loss 2.2101 at step 240", "val/loss 2.5432 at step 200", "resumes: 1 (at steps 100)",
+                     "anomaly at step 230: loss spike at step 230", "0h00m12s ago"):
         assert expected in text, f"{expected!r} missing from:\n{text}"
     assert "WARNING" not in text
 
 
 def test_render_summary_warns_when_a_running_job_goes_quiet():
-    status = {"run_name": "r", "state": "running", "step": 3, "total_steps": 10, "updated": 0.0}
+    status = full_status()
     assert "WARNING: no update for 0h10m00s" in render_summary(status, [], now=600.0)
-    finished = dict(status, state="completed")
+    finished = dict(status, status="completed")
     assert "WARNING" not in render_summary(finished, [], now=600.0)
+    assert "anomaly: none" in render_summary(status, [], now=600.0)
 
 
-def test_watch_once_prints_the_run(tmp_path):
+def test_render_summary_shows_a_nan_loss_logged_as_null():
+    status = full_status(latest_metrics={"step": 3, "loss": None, "lr": 1e-3, "grad_norm": None, "timestamp": 1.0})
+    text = render_summary(status, [dict(status["latest_metrics"])], now=1.0)
+    assert "latest (step 3): lr 1.00e-03" in text and "best loss -" in text
+
+
+def test_watch_once_prints_the_run_by_module_and_by_path(tmp_path):
     write_run(tmp_path, "pretrain_32", resume_at=7)
+    for result in (run_script("scripts.watch_run", str(tmp_path), "--once"),
+                   run_script_by_path("watch_run.py", str(tmp_path), "--once", cwd=tmp_path)):
+        assert result.returncode == 0, result.stderr
+        assert "run pretrain_32: running" in result.stdout and "12/40" in result.stdout
+        assert "resumes: 1 (at steps 6)" in result.stdout
+        assert "\033[2J" not in result.stdout  # --once output is plain, fit for ssh and logs
+
+
+def test_watch_refuses_a_status_file_without_the_spec_fields(tmp_path):
+    (tmp_path / "old_status.json").write_text(json.dumps({"run_name": "old", "state": "running", "step": 3}))
     result = run_script("scripts.watch_run", str(tmp_path), "--once")
-    assert result.returncode == 0, result.stderr
-    assert "pretrain_32" in result.stdout and "12/40" in result.stdout and "resumes: 1 (at steps 6)" in result.stdout
-    assert "\033[2J" not in result.stdout  # --once output is plain, fit for ssh and logs
+    assert result.returncode == 1
+    assert "old_status.json: not a status file of this trainer, missing job_id, status" in result.stderr
 
 
 def test_watch_without_run_name_lists_the_runs_and_exits_2(tmp_path):
@@ -91,20 +121,32 @@ def test_watch_on_a_directory_without_runs_says_so(tmp_path):
 
 def test_watch_stops_by_itself_when_the_run_has_ended(tmp_path):
     write_run(tmp_path, "done")
-    (tmp_path / "done_status.json").write_text(json.dumps({"run_name": "done", "state": "completed", "step": 12,
-                                                            "total_steps": 12, "updated": 0.0}))
+    (tmp_path / "done_status.json").write_text(json.dumps(full_status(run_name="done", status="completed",
+                                                                      current_step=12, total_steps=12)))
     result = run_script("scripts.watch_run", str(tmp_path), "--interval", "0.1")  # no --once
-    assert result.returncode == 0 and "done: completed" in result.stdout
+    assert result.returncode == 0 and "run done: completed" in result.stdout
 
 
 def test_plot_script_writes_a_png_with_resumes_and_validation(tmp_path):
     write_run(tmp_path, "pretrain_32", resume_at=7)
     records = read_metrics(tmp_path / "pretrain_32_metrics.jsonl")
     assert any(r.get("event") == "resume" for r in records) and any("val/loss" in r for r in records)
+    assert all("step" in r and "timestamp" in r for r in records)
     out = tmp_path / "plots" / "curves.png"
     result = run_script("scripts.plot_metrics", str(tmp_path / "pretrain_32_metrics.jsonl"), "-o", str(out))
     assert result.returncode == 0, result.stderr
     assert out.stat().st_size > 1000 and out.read_bytes()[:8] == PNG_MAGIC
+    by_path = run_script_by_path("plot_metrics.py", "pretrain_32_metrics.jsonl", cwd=tmp_path)  # default: beside it
+    assert by_path.returncode == 0, by_path.stderr
+    assert (tmp_path / "pretrain_32_metrics.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_plot_draws_a_run_whose_loss_went_nan(tmp_path):
+    records = [{"step": s, "loss": 2.0 / s, "lr": 1e-3, "grad_norm": 1.0, "timestamp": float(s)} for s in range(1, 6)]
+    records[2].update(loss=None, grad_norm=None)  # a NaN step, as the writer stores it
+    records.append({"event": "anomaly", "step": 3, "reason": "non-finite loss nan at step 3", "timestamp": 3.5})
+    out = plot_metrics(records, tmp_path / "nan.png", "nan_run")
+    assert out.read_bytes()[:8] == PNG_MAGIC
 
 
 def test_plot_refuses_a_file_without_training_records(tmp_path):

@@ -1,7 +1,7 @@
 """Every logged step reaches each tracker exactly once, across ranks, crashes and resumes.
 
-Real `python` / `torchrun` (gloo) runs on the CPU. The metrics file is read with the monitor's own
-reader; wandb and SwanLab run offline, and their run files are read back directly: both are
+Real `python` / `torchrun` (gloo) runs on the CPU. The metrics file is read with the writer's own
+reader (trainer/metrics_files.py); wandb and SwanLab run offline, and their run files are read back directly: both are
 LevelDB-style logs of protobuf records (https://github.com/google/leveldb/blob/main/doc/log_format.md).
 """
 
@@ -15,52 +15,43 @@ from pathlib import Path
 
 import pytest
 
+from conftest import (TINY_MODEL, events_of, launch_command, metrics_of, resume_file, run_args, slowed_env,
+                      status_of, trace_of, train)
 from scripts.soak_kill import kill_job
-import torch
-
-from conftest import TINY_MODEL, child_env, launch_command, read_trace, slowed_env, train
-
-from trainer.metrics_files import is_train_record, metrics_path, read_metrics, read_status, status_path
-
-RUN = "pretrain_32"
+from trainer.metrics_files import is_train_record
 
 
-def run_args(tmp_path, data, *extra) -> list[str]:
-    return ["--data_path", str(data), "--save_dir", str(tmp_path / "out"), "--checkpoint_dir",
-            str(tmp_path / "ckpt"), "--metrics_dir", str(tmp_path / "metrics"), "--batch_size", "2",
-            "--epochs", "1", "--log_interval", "1", *extra]
+def job_args(tmp_path: Path, data: Path, *extra: str) -> list[str]:
+    return run_args(tmp_path, data, "--batch_size", "2", "--epochs", "1", *extra)
 
 
-def train_records(tmp_path) -> list[dict]:
-    return [r for r in read_metrics(metrics_path(tmp_path / "metrics", RUN)) if is_train_record(r)]
-
-
-def resume_file(tmp_path) -> dict:
-    return torch.load(tmp_path / "ckpt" / f"{RUN}_resume.pth", weights_only=True)
+def train_records(tmp_path: Path) -> list[dict]:
+    return [r for r in metrics_of(tmp_path) if is_train_record(r)]
 
 
 # ---- the metrics file on two ranks ----
 
 def test_two_rank_run_logs_each_step_once_with_the_global_loss(tmp_path, pretrain_data):
-    trace = tmp_path / "trace.jsonl"
-    train("train_pretrain.py", 2, run_args(tmp_path, pretrain_data, "--save_debug_train_output", str(trace)),
-          tmp_path)
+    train("train_pretrain.py", 2, job_args(tmp_path, pretrain_data), tmp_path)
     records = train_records(tmp_path)
     assert [r["step"] for r in records] == list(range(1, 11))  # 37 samples / global batch 4, rank 0 writes
     sums, tokens = collections.Counter(), collections.Counter()
-    for r in read_trace(trace):
+    for r in trace_of(tmp_path):
         sums[r["step"]] += r["loss_sum"]
         tokens[r["step"]] += r["local_tokens"]
     for r in records:  # the loss of the whole global batch, not rank 0's half of it
         assert r["loss"] == pytest.approx(sums[r["step"]] / tokens[r["step"]], rel=1e-12)
-    status = read_status(status_path(tmp_path / "metrics", RUN))
-    assert status["state"] == "completed"
-    assert (status["step"], status["total_steps"], status["latest"]["step"]) == (10, 10, 10)
-    assert status["anomaly"] is None and status["resumed_from"] is None
+    timestamps = [r["timestamp"] for r in metrics_of(tmp_path)]
+    assert len(timestamps) == len(records) and timestamps == sorted(timestamps)
+    status = status_of(tmp_path)
+    assert status["status"] == "completed" and status["job_id"].startswith("pretrain_32-")
+    assert (status["current_step"], status["total_steps"], status["latest_metrics"]) == (10, 10, records[-1])
+    assert status["anomaly_detected"] is False and status["anomaly_reason"] is None
+    assert status["resumed_from"] is None
 
 
 def test_metrics_after_sigkill_and_resume_have_each_step_once_and_a_resume_event(tmp_path, pretrain_data):
-    args = run_args(tmp_path, pretrain_data, "--save_interval", "2")
+    args = job_args(tmp_path, pretrain_data, "--save_interval", "2")
     with open(tmp_path / "killed_run.log", "w") as log:
         job = subprocess.Popen(launch_command("train_pretrain.py", 2, [*TINY_MODEL, *args]), cwd=tmp_path,
                                env=slowed_env(step_delay_s=0.3), stdout=log, stderr=subprocess.STDOUT,
@@ -74,13 +65,13 @@ def test_metrics_after_sigkill_and_resume_have_each_step_once_and_a_resume_event
     assert 2 <= saved_step < max(logged_before_kill) < 10, (
         f"the kill must land after a logged but unsaved step: saved {saved_step}, logged {logged_before_kill}")
 
-    result = train("train_pretrain.py", 2, [*args, "--from_resume", "1"], tmp_path)
-    assert f"global step {saved_step}" in result.stdout, result.stdout
-    records = read_metrics(metrics_path(tmp_path / "metrics", RUN))
-    assert [r["step"] for r in records if is_train_record(r)] == list(range(1, 11))
-    assert [r["step"] for r in records if r.get("event") == "resume"] == [saved_step]
-    status = read_status(status_path(tmp_path / "metrics", RUN))
-    assert (status["state"], status["step"], status["resumed_from"]) == ("completed", 10, saved_step)
+    job_id = status_of(tmp_path)["job_id"]
+    train("train_pretrain.py", 2, [*args, "--from_resume", "1"], tmp_path)
+    assert [r["step"] for r in train_records(tmp_path)] == list(range(1, 11))
+    assert events_of(tmp_path) == [("resume", saved_step)]
+    status = status_of(tmp_path)
+    assert (status["status"], status["current_step"], status["resumed_from"]) == ("completed", 10, saved_step)
+    assert status["job_id"] == job_id  # the same job, continued
 
 
 # ---- wandb and SwanLab, offline ----
@@ -146,7 +137,7 @@ def offline_runs(pattern_dir: Path, pattern: str, read) -> list[tuple[str, str, 
 
 def test_wandb_and_swanlab_offline_get_the_metrics_file_steps_and_keep_their_run_ids_on_resume(
         tmp_path, pretrain_data):
-    args = run_args(tmp_path, pretrain_data, "--logger", "console,file,wandb,swanlab", "--save_interval", "2")
+    args = job_args(tmp_path, pretrain_data, "--logger", "console,file,wandb,swanlab", "--save_interval", "2")
     env = dict(WANDB_DIR=tmp_path, SWANLAB_LOGDIR=tmp_path / "swanlog")
     train("train_pretrain.py", None, [*args, "--max_steps", "4"], tmp_path, **env)
     first_ids = resume_file(tmp_path)["tracker_ids"]
@@ -169,7 +160,7 @@ def test_wandb_and_swanlab_offline_get_the_metrics_file_steps_and_keep_their_run
 def test_swanlab_logger_starts_when_the_script_is_run_by_path(tmp_path, pretrain_data):
     # Running trainer/x.py puts trainer/ first on sys.path: no module there may shadow a package
     # a tracker imports (a trainer/watchdog.py once hid the `watchdog` package SwanLab needs).
-    result = train("train_pretrain.py", None, run_args(tmp_path, pretrain_data, "--logger", "file,swanlab",
+    result = train("train_pretrain.py", None, job_args(tmp_path, pretrain_data, "--logger", "file,swanlab",
                                                        "--max_steps", "1"),
                    tmp_path, check=False, SWANLAB_LOGDIR=tmp_path / "swanlog")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -7,58 +7,72 @@ import subprocess
 
 import torch
 
-from conftest import REPO, TINY_MODEL, child_env, free_port, read_trace, train
+from conftest import (REPO, TINY_MODEL, child_env, free_port, metrics_of, resume_file, run_args, trace_of, train)
+from dataset.lm_dataset import SFTDataset
 from model.model import CausalLM, LMConfig
+from model.tokenizer import PAD_ID, load_tokenizer
 from trainer.trainer_utils import lm_checkpoint
 
 
-def paths(tmp_path) -> list[str]:
-    return ["--save_dir", str(tmp_path / "out"), "--checkpoint_dir", str(tmp_path / "ckpt"),
-            "--metrics_dir", str(tmp_path / "out")]
-
-
-def step_losses(trace_path) -> list[float]:
+def step_losses(trace: list[dict]) -> list[float]:
     """Global loss per step (the same number on every rank)."""
-    by_step = {r["step"]: r["global_loss"] for r in read_trace(trace_path)}
+    by_step = {r["step"]: r["global_loss"] for r in trace}
     return [by_step[s] for s in sorted(by_step)]
 
 
 def test_two_process_pretrain_loss_falls_and_writes_contract_files(tmp_path, pretrain_data):
-    trace = tmp_path / "trace.jsonl"
-    train("train_pretrain.py", 2, [*paths(tmp_path), "--data_path", str(pretrain_data), "--batch_size", "4",
-                                   "--epochs", "6", "--learning_rate", "3e-3", "--save_debug_train_output",
-                                   str(trace)], tmp_path)
-    losses = step_losses(trace)
+    train("train_pretrain.py", 2, run_args(tmp_path, pretrain_data, "--batch_size", "4", "--epochs", "6",
+                                           "--learning_rate", "3e-3"), tmp_path)
+    losses = step_losses(trace_of(tmp_path))
+    assert len(losses) == 6 * 5  # 37 samples / global batch 8 = 5 steps an epoch
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < first - 1.0, f"loss did not fall: {first:.3f} -> {last:.3f}"
     weights = torch.load(tmp_path / "out" / "pretrain_32.pth", weights_only=True)
     assert all(t.dtype == torch.float16 for t in weights.values())
-    state = torch.load(tmp_path / "ckpt" / "pretrain_32_resume.pth", weights_only=True)
+    state = resume_file(tmp_path)
     assert all(t.dtype == torch.float32 for t in state["model"].values())
-    assert state["world_size"] == 2 and state["epoch"] == 6
+    assert state["model"].keys() == weights.keys()
+    for key, master in state["model"].items():  # the FP16 file is the rounded FP32 master weights
+        assert torch.equal(weights[key], master.half()), key
+    assert (state["world_size"], state["epoch"], state["global_step"]) == (2, 6, 30)
 
 
-def test_sft_starts_from_pretrain_weights_and_refuses_a_missing_file(tmp_path, pretrain_data, sft_data):
-    result = train("train_full_sft.py", None, [*paths(tmp_path), "--data_path", str(sft_data)], tmp_path,
-                   check=False)
+def test_sft_refuses_a_missing_pretrain_file_then_starts_from_it(tmp_path, pretrain_data, sft_data):
+    result = train("train_full_sft.py", None, run_args(tmp_path, sft_data), tmp_path, check=False)
     assert result.returncode != 0 and "pretrain_32.pth does not exist" in result.stderr
-    train("train_pretrain.py", None, [*paths(tmp_path), "--data_path", str(pretrain_data), "--max_steps", "2"],
+    train("train_pretrain.py", None, run_args(tmp_path / "pre", pretrain_data, "--max_steps", "2",
+                                              "--save_dir", str(tmp_path / "out")), tmp_path)
+    # With a learning rate of 0 the optimizer changes nothing, so the SFT weights are the weights it started from.
+    train("train_full_sft.py", None, run_args(tmp_path, sft_data, "--batch_size", "4", "--max_steps", "2",
+                                              "--learning_rate", "0"), tmp_path)
+    pretrained = torch.load(tmp_path / "out" / "pretrain_32.pth", weights_only=True)
+    fine_tuned = torch.load(tmp_path / "out" / "full_sft_32.pth", weights_only=True)
+    assert pretrained.keys() == fine_tuned.keys()
+    assert all(torch.equal(pretrained[k], fine_tuned[k]) for k in pretrained)
+
+
+def test_sft_trains_only_on_the_assistant_tokens(tmp_path, sft_data):
+    train("train_full_sft.py", None, run_args(tmp_path, sft_data, "--batch_size", "4", "--epochs", "1", "--from_weight", "none"),
           tmp_path)
-    trace = tmp_path / "sft_trace.jsonl"
-    result = train("train_full_sft.py", None, [*paths(tmp_path), "--data_path", str(sft_data), "--batch_size", "4",
-                                               "--save_debug_train_output", str(trace)], tmp_path)
-    assert "loaded initial weights from" in result.stdout and "pretrain_32.pth" in result.stdout
-    assert (tmp_path / "out" / "full_sft_32.pth").is_file()
-    # SFT trains only on assistant tokens: every step had some, and fewer than the whole sequences.
-    assert all(0 < r["local_tokens"] for r in read_trace(trace))
+    max_seq_len = int(TINY_MODEL[TINY_MODEL.index("--max_seq_len") + 1])
+    dataset = SFTDataset(sft_data, load_tokenizer(), max_seq_len)
+    trace = trace_of(tmp_path)
+    assert sorted(i for r in trace for i in r["samples"]) == list(range(len(dataset)))
+    for record in trace:  # the loss counts exactly the assistant's tokens, a part of each conversation
+        rows = [dataset[i] for i in record["samples"]]
+        assistant = sum(int((labels[1:] != -100).sum()) for _, labels in rows)
+        text = sum(int((ids[1:] != PAD_ID).sum()) for ids, _ in rows)
+        assert record["local_tokens"] == assistant, f"step {record['step']}"
+        assert 0 < assistant < text, f"step {record['step']}: {assistant} loss tokens of {text}"
 
 
 def test_sft_refuses_pretrain_weights_of_another_size(tmp_path, pretrain_data, sft_data):
-    train("train_pretrain.py", None, [*paths(tmp_path), "--data_path", str(pretrain_data), "--max_steps", "1"],
-          tmp_path)
-    result = train("train_full_sft.py", None, [*paths(tmp_path), "--data_path", str(sft_data),
-                                               "--num_hidden_layers", "3"], tmp_path, check=False)
-    assert result.returncode != 0 and "does not fit the model built from the flags" in result.stderr
+    train("train_pretrain.py", None, run_args(tmp_path, pretrain_data, "--max_steps", "1"), tmp_path)
+    result = train("train_full_sft.py", None, run_args(tmp_path, sft_data, "--num_hidden_layers", "3"), tmp_path,
+                   check=False)
+    assert result.returncode != 0 and "pretrain_32.pth does not fit" in result.stderr
+    assert "num_hidden_layers" in result.stderr  # the error names the size that differs
+    assert not (tmp_path / "out" / "full_sft_32.pth").exists()
 
 
 def test_lm_checkpoint_round_trip(tmp_path):
@@ -90,9 +104,7 @@ def test_lm_checkpoint_round_trip(tmp_path):
 def test_two_node_launch_on_loopback_trains(tmp_path, pretrain_data):
     """Two torchrun launchers (one per "node") meet through the c10d rendezvous on 127.0.0.1."""
     port = free_port()
-    trace = tmp_path / "trace.jsonl"
-    args = [*TINY_MODEL, *paths(tmp_path), "--data_path", str(pretrain_data), "--batch_size", "2",
-            "--max_steps", "4", "--save_debug_train_output", str(trace)]
+    args = [*TINY_MODEL, *run_args(tmp_path, pretrain_data, "--batch_size", "2", "--max_steps", "4")]
     launchers = [subprocess.Popen(
         ["python", "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
          "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "loopback-test",
@@ -101,7 +113,7 @@ def test_two_node_launch_on_loopback_trains(tmp_path, pretrain_data):
         for node in (0, 1)]
     outputs = [p.communicate(timeout=240)[0] for p in launchers]
     assert [p.returncode for p in launchers] == [0, 0], "\n".join(outputs)
-    records = read_trace(trace)
+    records = trace_of(tmp_path)
     assert {r["world_size"] for r in records} == {2} and {r["rank"] for r in records} == {0, 1}
     assert max(r["step"] for r in records) == 4
     ranks_samples = [set(s for r in records if r["rank"] == rank for s in r["samples"]) for rank in (0, 1)]
@@ -111,17 +123,16 @@ def test_two_node_launch_on_loopback_trains(tmp_path, pretrain_data):
 def test_validation_loss_is_logged_every_eval_interval_and_at_the_last_step(tmp_path, pretrain_data):
     val = tmp_path / "val.jsonl"
     val.write_text("\n".join(pretrain_data.read_text().splitlines()[:7]) + "\n")
-    train("train_pretrain.py", 2, [*paths(tmp_path), "--data_path", str(pretrain_data), "--batch_size", "4",
-                                   "--val_data", str(val), "--eval_interval", "2"], tmp_path)
-    records = [json.loads(line) for line in (tmp_path / "out" / "pretrain_32_metrics.jsonl").read_text().splitlines()]
+    train("train_pretrain.py", 2, run_args(tmp_path, pretrain_data, "--batch_size", "4", "--val_data", str(val),
+                                           "--eval_interval", "2"), tmp_path)
+    records = metrics_of(tmp_path)
     val_steps = [r["step"] for r in records if "val/loss" in r]
     assert val_steps == [2, 4, 5]  # 37 samples / global batch 8 = 5 steps; the last one is always validated
     assert all(0 < r["val/loss"] < 20 for r in records if "val/loss" in r)
 
 
 def test_save_hf_writes_a_transformers_directory_at_each_save(tmp_path, pretrain_data):
-    train("train_pretrain.py", None, [*paths(tmp_path), "--data_path", str(pretrain_data), "--max_steps", "2",
-                                      "--save_hf", "1"], tmp_path)
+    train("train_pretrain.py", None, run_args(tmp_path, pretrain_data, "--max_steps", "2", "--save_hf", "1"), tmp_path)
     hf_dir = tmp_path / "out" / "pretrain_32_hf"
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
             "tokenizer_config.json"} <= {p.name for p in hf_dir.iterdir()}

@@ -28,6 +28,7 @@ import json
 import os
 import pickle
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -248,6 +249,27 @@ def load_trusted(path: Path) -> dict:
     if not isinstance(state, dict):
         raise CheckpointError(f"{path} holds a {type(state).__name__}, not a checkpoint dict")
     return state
+
+
+def is_managed(files: RunFiles, path: Path) -> bool:
+    """True if `path` is one of the run's history files that has a manifest (the resume link is one)."""
+    return any(manifest_path(p).is_file() and os.path.samefile(p, path) for p in files.history())
+
+
+def set_aside_unmanaged_resume_file(files: RunFiles) -> Path | None:
+    """Rename a `{run}_resume.pth` that no manifest accounts for, so no save can overwrite it.
+
+    Such a file was brought by the user (copied from another machine, or written by minimind).
+    The next save would replace the name with its own link; the user's bytes are kept under a
+    name that says what happened instead. Returns the new path, or None if there was nothing to do.
+    """
+    link = files.resume_link
+    if not link.is_file() or is_managed(files, link):
+        return None
+    aside = link.with_name(f"{files.name}_resume.unmanaged_{time.strftime('%Y%m%d-%H%M%S')}.pth")
+    os.replace(link, aside)
+    fsync_dir(link.parent)
+    return aside
 
 
 def newest_good_checkpoint(files: RunFiles, log: Callable[[str], None]) -> tuple[Path, dict] | None:

@@ -5,11 +5,13 @@ model config they describe. Each script passes only its own defaults, so the two
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 
+from model.hf import load_project_weights
 from model.model import LMConfig
-from trainer.trainer_utils import REPO_ROOT
+from trainer.trainer_utils import REPO_ROOT, ConfigError
 
 
 def build_arg_parser(description: str, *, save_weight: str, from_weight: str, data_path: str,
@@ -86,3 +88,31 @@ def lm_config_from_args(args, vocab_size: int) -> LMConfig:
     sizes = {name: getattr(args, name) for name in SIZE_FLAGS if getattr(args, name) is not None}
     sizes["use_moe"] = bool(sizes.get("use_moe", 0))
     return LMConfig(vocab_size=vocab_size, **sizes)
+
+
+def model_config_and_weights(args, vocab_size: int, log, fresh: bool) -> tuple[LMConfig, dict | None]:
+    """The model to build, and on a fresh start with --from_weight the weights it begins from.
+
+    With a weights file the sizes are read from its tensors, so minimind's files (or ours of any
+    shape) need no size flags; size flags given are checked against the file, and a mismatch names
+    both shapes. Without one (or when resuming, where the checkpoint decides) the flags describe it.
+    """
+    if not fresh or args.from_weight == "none":
+        return lm_config_from_args(args, vocab_size), None
+    path = initial_weights_path(args)
+    if not path.is_file():
+        raise FileNotFoundError(f"--from_weight {args.from_weight}: {path} does not exist. Train that stage first "
+                                f"(e.g. trainer/train_pretrain.py with the same --hidden_size), or pass "
+                                f"--from_weight none to start from random weights")
+    try:
+        weights, lm_config = load_project_weights(path, {name: getattr(args, name) for name in SIZE_FLAGS}, vocab_size)
+    except ValueError as error:  # the file does not fit the flags or the tokenizer: the message says how
+        raise ConfigError(f"--from_weight {args.from_weight}: {error}") from None
+    log(f"initial weights: {path} ({lm_config.hidden_size}x{lm_config.num_hidden_layers}, "
+        f"intermediate {lm_config.intermediate_size}{', MoE' if lm_config.use_moe else ''})")
+    return lm_config, weights
+
+
+def initial_weights_path(args) -> Path:
+    """`{save_dir}/{from_weight}_{hidden}[_moe].pth`: the FP16 file the previous stage wrote."""
+    return Path(args.save_dir) / f"{args.from_weight}_{args.hidden_size}{'_moe' if args.use_moe else ''}.pth"

@@ -3,10 +3,27 @@
 `MetricsFileWriter` is a callback that leaves two plain files per run in a metrics directory:
 
     {metrics_dir}/{run}_metrics.jsonl   one JSON line per log step, validation and event
-    {metrics_dir}/{run}_status.json     one small JSON object: state, progress, latest numbers
+    {metrics_dir}/{run}_status.json     one small JSON object: status, progress, latest numbers
 
 Anything that can read a file can follow the run: `scripts/watch_run.py` over ssh, a plot script,
 `tail -f`, `jq`. No server, no account, nothing to install on the training machine.
+
+What the files hold (other tools may rely on these names; more fields may be added):
+
+- every metrics line has `step` (the optimizer step) and `timestamp` (Unix seconds). A training
+  line adds loss, lr, grad_norm, tokens_per_s, ...; a validation line `val/loss`; an event line
+  `event` = "resume", "anomaly" (with `reason`) or "rollback".
+- the status file has
+      job_id            `{run}-{UTC start of the run's first invocation, YYYYmmdd-HHMMSS}`; a resume
+                        keeps it (as the wandb/SwanLab run id is kept), a fresh run gets a new one
+      status            running / completed / stopped / failed
+      current_step      the last optimizer step logged (or the checkpoint step after a resume or rollback)
+      total_steps       the step the run will end at
+      anomaly_detected  whether this run (any of its invocations) saw an anomaly
+      anomaly_reason    the latest anomaly in words, or null
+      latest_metrics    the latest training line
+  and also run_name, epoch, anomaly_step, best_loss, best_step, latest_val, resumed_from (the
+  checkpoint step this invocation started from, or null), started (this invocation), updated.
 
 On resume the metrics file is cut back to the checkpoint's step first: the steps logged after the
 last save are trained again, and a file with two losses for one step would draw a zigzag.
@@ -23,6 +40,9 @@ from typing import IO
 from trainer.callbacks import TrainerCallback
 
 RUN_STATES = ("running", "completed", "stopped", "failed")
+# The fields every status file has (see the module docstring); readers may check for them.
+STATUS_FIELDS = ("job_id", "status", "current_step", "total_steps", "anomaly_detected", "anomaly_reason",
+                 "latest_metrics")
 
 
 # ---- file names and readers (used by the writer, the watch script and the plot script) ----
@@ -62,8 +82,17 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 
 def read_status(path: str | Path) -> dict:
-    """The status object; the file is replaced atomically, so a read never sees half of it."""
-    return json.loads(Path(path).read_text(encoding="utf-8"))
+    """The status object; the file is replaced atomically, so a read never sees half of it.
+
+    Raises ValueError naming the file and the missing fields if it lacks any of STATUS_FIELDS
+    (a file written by an older version of the trainer, or not by the trainer at all).
+    """
+    status = json.loads(Path(path).read_text(encoding="utf-8"))
+    missing = [name for name in STATUS_FIELDS if name not in status]
+    if missing:
+        raise ValueError(f"{path}: not a status file of this trainer, missing {', '.join(missing)}. "
+                         f"Rerun (or resume) the run with this version to rewrite it.")
+    return status
 
 
 def is_train_record(record: dict) -> bool:
@@ -103,50 +132,57 @@ class MetricsFileWriter(TrainerCallback):
     def on_train_begin(self, run) -> None:
         self.metrics_file.parent.mkdir(parents=True, exist_ok=True)
         start_step = run.global_step
+        now = time.time()
         kept: list[dict] = []
+        job_id = None
         if start_step > 0:
             kept = self._cut_back_to(start_step)
+            job_id = self._previous_job_id()
         else:
             self.metrics_file.write_text("", encoding="utf-8")  # a fresh run starts a fresh file
-        now = time.time()
         train = [r for r in kept if is_train_record(r)]
         best = min(train, key=lambda r: r["loss"], default=None)
         val = [r for r in kept if "val/loss" in r]
+        anomalies = [r for r in kept if r.get("event") == "anomaly"]
         self.status = {
-            "run_name": self.run_name, "state": "running", "step": start_step,
+            "job_id": job_id or f"{self.run_name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime(now))}",
+            "run_name": self.run_name, "status": "running", "current_step": start_step,
             "total_steps": start_step + run.steps_remaining(),
             "epoch": train[-1]["epoch"] if train else None,
-            "latest": train[-1] if train else {},
+            "anomaly_detected": bool(anomalies),
+            "anomaly_reason": anomalies[-1]["reason"] if anomalies else None,
+            "anomaly_step": anomalies[-1]["step"] if anomalies else None,
+            "latest_metrics": train[-1] if train else {},
             "best_loss": best["loss"] if best else None, "best_step": best["step"] if best else None,
             "latest_val": val[-1] if val else None,
-            "anomaly": None, "resumed_from": start_step if start_step > 0 else None,
+            "resumed_from": start_step if start_step > 0 else None,
             "started": now, "updated": now,
         }
         self.file = open(self.metrics_file, "a", encoding="utf-8")
         if start_step > 0:
-            self._append({"event": "resume", "step": start_step, "time": now})
+            self._append({"event": "resume", "step": start_step, "timestamp": now})
         self._write_status()
 
     def on_log(self, run, metrics: dict) -> None:
-        record = {**metrics, "time": time.time()}
+        record = {**metrics, "timestamp": time.time()}
         self._append(record)
         loss = metrics.get("loss")
         best = self.status.get("best_loss")
         if loss is not None and math.isfinite(loss) and (best is None or loss < best):
             self.status["best_loss"], self.status["best_step"] = loss, metrics["step"]
-        self.status.update(step=metrics["step"], epoch=metrics.get("epoch"), latest=record,
+        self.status.update(current_step=metrics["step"], epoch=metrics.get("epoch"), latest_metrics=record,
                            total_steps=run.global_step + run.steps_remaining())
         self._write_status()
 
     def on_validation_end(self, run, metrics: dict) -> None:
-        record = {"step": metrics["step"], "val/loss": metrics["val/loss"], "time": time.time()}
+        record = {"step": metrics["step"], "val/loss": metrics["val/loss"], "timestamp": time.time()}
         self._append(record)
         self.status["latest_val"] = record
         self._write_status()
 
     def on_anomaly(self, run, step: int, reason: str) -> None:
-        self.status["anomaly"] = {"step": step, "reason": reason}
-        self._append({"event": "anomaly", "step": step, "reason": reason, "time": time.time()})
+        self.status.update(anomaly_detected=True, anomaly_reason=reason, anomaly_step=step)
+        self._append({"event": "anomaly", "step": step, "reason": reason, "timestamp": time.time()})
         self._write_status()
 
     def on_rollback(self, run, step: int) -> None:
@@ -154,14 +190,14 @@ class MetricsFileWriter(TrainerCallback):
         self._cut_back_to(step)
         self.file.close()
         self.file = open(self.metrics_file, "a", encoding="utf-8")
-        self._append({"event": "rollback", "step": step, "time": time.time()})
-        self.status.update(step=step, total_steps=step + run.steps_remaining())
+        self._append({"event": "rollback", "step": step, "timestamp": time.time()})
+        self.status.update(current_step=step, total_steps=step + run.steps_remaining())
         self._write_status()
 
     def on_train_end(self, run, status: str) -> None:
         if status not in RUN_STATES:
             raise ValueError(f"unknown run status {status!r}; expected one of {RUN_STATES}")
-        self.status.update(state=status, step=run.global_step)
+        self.status.update(status=status, current_step=run.global_step)
         self._write_status()
         if self.file is not None:
             self.file.close()
@@ -180,6 +216,13 @@ class MetricsFileWriter(TrainerCallback):
                 if r.get("step", 0) <= step or r.get("event") == "anomaly"]
         atomic_write_text(self.metrics_file, "".join(json.dumps(r) + "\n" for r in kept))
         return kept
+
+    def _previous_job_id(self) -> str | None:
+        """The job id of the run being resumed, from its status file; None when there is none to
+        continue (the metrics directory changed, or an older trainer wrote the file without one)."""
+        if not self.status_file.is_file():
+            return None
+        return json.loads(self.status_file.read_text(encoding="utf-8")).get("job_id")
 
     def _append(self, record: dict) -> None:
         # One write of a whole line, then flush: a reader (or a crash) sees whole lines only,

@@ -15,15 +15,20 @@ from __future__ import annotations
 
 import hashlib
 
-from trainer.data_order import step_in_epoch
-from trainer.trainer_utils import lm_checkpoint, load_initial_weights, restore_rng_state, run_name, unwrap
+from pathlib import Path
+
+from trainer.checkpoint_io import RunFiles, set_aside_unmanaged_resume_file
+from trainer.data_order import step_in_epoch, steps_in_epoch
+from trainer.flags import initial_weights_path, model_config_and_weights
+from trainer.trainer_utils import ConfigError, lm_checkpoint, restore_rng_state, run_name, unwrap
 
 # Settings that change which samples form a step or how the run's LR curve looks. Refused when
 # they differ on resume (world size may change; batch geometry is checked separately).
-FIXED_TRAINING_ARGS = ("epochs", "seed", "max_seq_len", "learning_rate", "warmup_ratio", "grad_clip")
+FIXED_TRAINING_ARGS = ("epochs", "seed", "max_seq_len", "learning_rate", "warmup_ratio", "grad_clip",
+                       "system_prompt_ratio", "drop_empty_think_ratio")  # the last two: SFT only
 
 
-class ResumeMismatch(ValueError):
+class ResumeMismatch(ConfigError):
     """The checkpoint was made for another model, data file or training setup."""
 
 
@@ -101,12 +106,19 @@ def resume_if_asked(run) -> dict:
     if state is None:
         run.log(f"--from_resume 1: no checkpoint of {run_name(args.save_weight, run.lm_config)} in "
                 f"{args.checkpoint_dir}; starting fresh")
-        load_initial_weights(run.model, args.from_weight, args.save_dir, run.lm_config, run.log)
+        lm_config, weights = model_config_and_weights(args, run.lm_config.vocab_size, run.log, fresh=True)
+        if weights is not None:
+            if lm_config != run.lm_config:
+                raise ConfigError(f"--from_resume 1 found nothing to resume, and {initial_weights_path(args)} has "
+                                  f"another shape than the size flags: pass the file's sizes, or --from_weight none")
+            unwrap(run.model).load_state_dict(weights, strict=True)
         return {}
+    if is_minimind_layout(state):
+        state = from_minimind_layout(state, run)
     for note in check_resume_compatible(state, run.lm_config.to_dict(), run.fingerprint, run.train_args()):
         run.log(f"resume: {note}")
     rng_restored = restore_training_state(run, state)
-    run.guard.load_state_dict(state["anomaly"])
+    run.guard.load_state_dict(state.get("anomaly", {}))  # absent in files of older versions
     old_args = state["train_args"]
     old_batch = old_args["batch_size"] * state["world_size"] * old_args["accumulation_steps"]
     old_step = step_in_epoch(len(run.dataset), run.samples_consumed, old_batch)
@@ -116,6 +128,53 @@ def resume_if_asked(run) -> dict:
             f"sample {run.samples_consumed} of epoch {run.epoch + 1} (exact; global step {run.global_step}"
             f"{', RNG restored' if rng_restored else ', RNG reseeded for the new world size'})")
     return state["tracker_ids"]
+
+
+def keep_unmanaged_resume_file(run) -> None:
+    """A `{run}_resume.pth` no manifest accounts for is renamed, never overwritten by our next save."""
+    if not run.dist.is_main:
+        return
+    files = RunFiles(Path(run.args.checkpoint_dir), run_name(run.args.save_weight, run.lm_config))
+    aside = set_aside_unmanaged_resume_file(files)
+    if aside is not None:
+        run.log(f"kept {files.resume_link.name}, which this project's checkpoints do not account for, as {aside} "
+                f"(the next save writes {files.resume_link.name})")
+
+
+# ---- minimind's resume files ----------------------------------------------------------------
+
+MINIMIND_KEYS = {"model", "optimizer", "epoch", "step", "world_size"}
+
+
+def is_minimind_layout(state: dict) -> bool:
+    """minimind's `lm_checkpoint` writes model (fp16), optimizer, epoch, step, world_size, wandb_id."""
+    return MINIMIND_KEYS <= set(state) and "samples_consumed" not in state
+
+
+def from_minimind_layout(raw: dict, run) -> dict:
+    """This project's resume state from a minimind one: weights, optimizer, epoch and position kept.
+
+    minimind's `step` counts the micro-batches each rank had taken in the epoch, so the samples
+    consumed are step x batch_size x world_size (with this run's --batch_size: minimind does not save
+    its own). What minimind does not record cannot be restored, and the log says so.
+    """
+    samples = min(int(raw["step"]) * run.args.batch_size * int(raw["world_size"]), len(run.dataset))
+    run.log(f"resume: {raw['resumed_from']} is a minimind resume file: weights (fp16 -> fp32), optimizer, epoch "
+            f"{int(raw['epoch']) + 1} and {samples} samples consumed (step {raw['step']} x batch_size "
+            f"{run.args.batch_size} x world size {raw['world_size']}) are restored. Not restored: the exact sample "
+            f"cursor (minimind's data order differs, so which samples of this epoch were trained is unknown), the "
+            f"RNG states, and the checks of model config, data and settings (the weights still load strictly)")
+    return {
+        "model": {name: t.float() for name, t in raw["model"].items()},
+        "optimizer": raw["optimizer"], "scaler": raw.get("scaler"),
+        "epoch": int(raw["epoch"]), "samples_consumed": samples,
+        "step": step_in_epoch(len(run.dataset), samples, run.global_batch),
+        "global_step": int(raw["epoch"]) * steps_in_epoch(len(run.dataset), run.global_batch)
+        + step_in_epoch(len(run.dataset), samples, run.global_batch),
+        "world_size": int(raw["world_size"]), "rng": [],  # no RNG states: every rank is reseeded
+        "lm_config": run.lm_config.to_dict(), "data_fingerprint": run.fingerprint, "train_args": run.train_args(),
+        "tracker_ids": {"wandb": raw.get("wandb_id"), "swanlab": None}, "resumed_from": raw["resumed_from"],
+    }
 
 
 def restore_training_state(run, state: dict) -> bool:

@@ -26,20 +26,21 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
+from dataset.jsonl_file import DataFileError
 from model.hf import export_hf
 from model.model import CausalLM
 from model.tokenizer import load_tokenizer
 from trainer import callbacks as cb
+from trainer.anomaly import AnomalyGuard, AnomalyStop, StepAction, install_debug_injection
 from trainer.background_save import BackgroundSaver
 from trainer.checkpoint_io import CheckpointError
-from trainer.anomaly import AnomalyGuard, AnomalyStop, StepAction, install_debug_injection
 from trainer.data_order import IndexedDataset, SkipBatchSampler, epoch_order, step_in_epoch, steps_in_epoch, steps_left
-from trainer.flags import lm_config_from_args
+from trainer.flags import model_config_and_weights
 from trainer.metrics_files import MetricsFileWriter
-from trainer.resume import (FIXED_TRAINING_ARGS, data_fingerprint, load_checkpoint_state, restore_training_state,
-                            resume_if_asked)
-from trainer.trainer_utils import (DistInfo, Logger, cleanup_distributed, flops_per_token, get_lr, init_distributed,
-                                   lm_checkpoint, load_initial_weights, peak_flops, resolve_accumulation, run_name,
+from trainer.resume import (FIXED_TRAINING_ARGS, data_fingerprint, keep_unmanaged_resume_file, load_checkpoint_state,
+                            restore_training_state, resume_if_asked)
+from trainer.trainer_utils import (ConfigError, DistInfo, Logger, cleanup_distributed, flops_per_token, get_lr, init_distributed,
+                                   lm_checkpoint, peak_flops, resolve_accumulation, run_name,
                                    setup_seed, unwrap, validation_loss)
 
 
@@ -84,7 +85,7 @@ class RunContext:
         a = self.args
         return {"batch_size": a.batch_size, "accumulation_steps": self.accumulation,
                 "global_batch_size": a.global_batch_size, "world_size": self.dist.world_size,
-                **{k: getattr(a, k) for k in FIXED_TRAINING_ARGS}}
+                **{k: getattr(a, k, None) for k in FIXED_TRAINING_ARGS}}
 
 
 @dataclass
@@ -99,8 +100,26 @@ class StepResult:
     anomaly: str = ""
 
 
+# What a user can cause and fix (bad data, a missing file, flags or a checkpoint that do not fit):
+# one message and exit code 2, not a traceback. Anything else is a bug and keeps its traceback.
+EXPECTED_ERRORS = (FileNotFoundError, DataFileError, ConfigError, CheckpointError)
+
+
 def run_training(args, make_dataset) -> None:
-    """Train with `args` on `make_dataset(data_path, tokenizer, max_seq_len)`."""
+    """Train with `args` on `make_dataset(data_path, tokenizer, max_seq_len)`; expected errors exit 2."""
+    try:
+        train(args, make_dataset)
+    except EXPECTED_ERRORS as error:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        if dist.is_initialized():  # other ranks may wait in a collective: leave at once, torchrun reports it
+            sys.stdout.flush()
+            os._exit(2)
+        sys.exit(2)
+
+
+def train(args, make_dataset) -> None:
+    """The run, section by section."""
     # 1. Distributed init: one process, or one per GPU/CPU rank under torchrun.
     dist_info = init_distributed(args.device)
     log = Logger(dist_info.is_main)
@@ -108,7 +127,8 @@ def run_training(args, make_dataset) -> None:
 
     # 2. Config: model shape from flags and tokenizer; batch geometry from the world size.
     tokenizer = load_tokenizer(args.tokenizer_path)
-    lm_config = lm_config_from_args(args, tokenizer.get_vocab_size())
+    fresh = not args.from_resume and args.resume_path is None
+    lm_config, initial_weights = model_config_and_weights(args, tokenizer.get_vocab_size(), log, fresh)
     accumulation, global_batch = resolve_accumulation(args.batch_size, dist_info.world_size,
                                                       args.accumulation_steps, args.global_batch_size)
 
@@ -124,8 +144,8 @@ def run_training(args, make_dataset) -> None:
 
     # 5. Model and optimizer.
     model = CausalLM(lm_config)
-    if not args.from_resume and args.resume_path is None:
-        load_initial_weights(model, args.from_weight, args.save_dir, lm_config, log)
+    if initial_weights is not None:
+        model.load_state_dict(initial_weights, strict=True)  # shapes were checked with the config
     model.to(dist_info.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.01, fused=use_cuda)
     guard = AnomalyGuard(args.on_anomaly, args.patience, args.max_rollbacks, args.rollback_lr_factor)
@@ -140,6 +160,7 @@ def run_training(args, make_dataset) -> None:
     # 6. Resume: weights, optimizer, RNG and data cursor, after checking nothing important changed.
     setup_seed(args.seed + dist_info.rank)  # ranks differ in dropout noise
     tracker_ids = resume_if_asked(run)
+    keep_unmanaged_resume_file(run)
 
     # 7. Compile and DDP (after loading, so state_dict keys carry no wrapper prefixes); callbacks.
     if args.use_compile:
@@ -249,6 +270,8 @@ def install_stop_handlers(run: RunContext) -> None:
 def train_epoch(run: RunContext) -> str:
     """Train from the cursor to the end of the epoch; returns 'completed', 'stopped' or 'rolled back'."""
     args, n = run.args, len(run.dataset)
+    if hasattr(run.dataset, "set_epoch"):  # per-sample augmentations are drawn per (seed, epoch, index)
+        run.dataset.set_epoch(run.epoch)
     sampler = SkipBatchSampler(epoch_order(args.seed, run.epoch, n), run.samples_consumed, run.global_batch,
                                args.batch_size, run.dist.rank, run.dist.world_size)
     loader = DataLoader(IndexedDataset(run.dataset), batch_sampler=sampler, num_workers=args.num_workers,

@@ -12,11 +12,16 @@ The vocabulary holds at most --vocab_size tokens: BPE stops early when the data 
 pair left to merge (the demo corpus is a small closed world), and the model's
 vocab_size only has to be at least the tokenizer's.
 
+Chinese: by default (--split_chinese_chars 1) every Chinese character is a token of its
+own, which suits the tiny demo world. For a real Chinese corpus pass --split_chinese_chars 0:
+BPE then merges frequent character sequences (words, common phrases) into single tokens,
+as minimind's tokenizer does, so the same text takes fewer tokens.
+
 The special tokens get the first ids, in this order: <|endoftext|>=0 (padding),
-<|im_start|>=1 (begin of text / of a chat message), <|im_end|>=2 (end of both).
+<|im_start|>=1 (begin of text / of a chat message), <|im_end|>=2 (end of both), then the chat
+format's tags (<think>, </think>, <tool_call>, ...; see dataset/chat_format.py).
 No post-processor adds them: the datasets insert them explicitly where they belong.
 
-This script depends only on `tokenizers`, so it runs from any directory.
 Training is deterministic: the same data and vocab size give the same file.
 """
 
@@ -34,9 +39,15 @@ if __package__ in (None, ""):  # run as a file: the repository, not this folder,
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-# The list order defines the ids; dataset/lm_dataset.py checks them when loading.
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+from dataset.chat_format import TAGS, render_chat_text
+from model.tokenizer import SPECIAL_TOKENS as CHATML_IDS
+from trainer.trainer_utils import REPO_ROOT
+
+CHATML_TOKENS = sorted(CHATML_IDS, key=CHATML_IDS.get)
+
+# The list order defines the ids: the three ChatML tokens first (model/tokenizer.py checks them when
+# loading), then the chat format's tags, so "<think>" or "<tool_call>" costs one token, as in minimind.
+SPECIAL_TOKENS = [*CHATML_TOKENS, *TAGS]
 
 
 def iter_texts(paths: list[Path]) -> Iterator[str]:
@@ -50,25 +61,33 @@ def iter_texts(paths: list[Path]) -> Iterator[str]:
                 if "text" in record:
                     yield record["text"]
                 elif "conversations" in record:
-                    for message in record["conversations"]:
-                        # "role\ncontent" is what follows <|im_start|> in ChatML.
-                        yield f"{message['role']}\n{message['content']}"
+                    # The text of the turns as training renders them (tags and ChatML tokens are special,
+                    # so the trainer never merges across them).
+                    yield render_chat_text(record["conversations"])
                 else:
                     raise ValueError(f'{path}, line {line_number}: no "text" or "conversations" field')
 
 
-def train_tokenizer(paths: list[Path], vocab_size: int) -> Tokenizer:
-    """Learn a byte-level BPE vocabulary of ``vocab_size`` tokens from the given files."""
+def train_tokenizer(paths: list[Path], vocab_size: int, split_chinese_chars: bool = True) -> Tokenizer:
+    """Learn a byte-level BPE vocabulary of at most ``vocab_size`` tokens from the given files.
+
+    With ``split_chinese_chars`` no token spans two Chinese characters; without it BPE may
+    merge frequent Chinese character sequences into one token.
+    """
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        # Chinese has no spaces, so without this a whole clause such as "秘鲁的首都是哪里"
-        # is one pre-token, and on a small corpus BPE merges it into a single token that
-        # hides its words from the model. Each Chinese character stays a token of its own.
-        pre_tokenizers.Split(Regex(r"\p{Han}"), behavior="isolated"),
-        # Split words and punctuation GPT-2 style, then map bytes to printable symbols.
-        # add_prefix_space=False keeps decode(encode(s)) == s exactly.
-        pre_tokenizers.ByteLevel(add_prefix_space=False),
-    ])
+    # Split words and punctuation GPT-2 style, then map bytes to printable symbols.
+    # add_prefix_space=False keeps decode(encode(s)) == s exactly.
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split_chinese_chars:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            # Chinese has no spaces, so without this a whole clause such as "秘鲁的首都是哪里"
+            # is one pre-token, and on a small corpus BPE merges it into a single token that
+            # hides its words from the model. Each Chinese character stays a token of its own.
+            pre_tokenizers.Split(Regex(r"\p{Han}"), behavior="isolated"),
+            byte_level,
+        ])
+    else:
+        tokenizer.pre_tokenizer = byte_level
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -91,9 +110,12 @@ def main() -> None:
                         help="JSONL files with pretrain and/or SFT lines")
     parser.add_argument("--vocab_size", type=int, default=6400)
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "model/tokenizer.json")
+    parser.add_argument("--split_chinese_chars", type=int, default=1, choices=(0, 1),
+                        help="1: one token per Chinese character (the demo); 0: BPE may merge Chinese "
+                             "characters into words, for a real Chinese corpus")
     args = parser.parse_args()
 
-    tokenizer = train_tokenizer(args.data, args.vocab_size)
+    tokenizer = train_tokenizer(args.data, args.vocab_size, split_chinese_chars=bool(args.split_chinese_chars))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(args.out))
     sample = "Hello, 世界! 1+2=3 🙂"

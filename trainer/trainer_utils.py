@@ -33,6 +33,10 @@ from trainer.data_order import SkipBatchSampler, step_in_epoch  # noqa: F401
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+class ConfigError(ValueError):
+    """A flag, weights file or checkpoint that does not fit this run: the user's to fix, no traceback."""
+
+
 # ---- distributed ----------------------------------------------------------------------------
 
 @dataclass
@@ -110,7 +114,14 @@ def peak_flops(device: torch.device) -> float | None:
 
 
 def flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6 per parameter (forward + backward) plus causal attention scores."""
+    """FLOPs of one forward + backward per token (the usual estimate, as in PaLM's appendix B).
+
+    6 * params: every weight does one multiply-add (2 FLOPs) per token forward and two backward.
+    The tied embedding counts once: its lookup is free, its use as lm_head is a real matmul.
+    12 * layers * hidden * seq: attention scores (Q K^T) and the weighted sum (A V), 2 * seq * hidden
+    FLOPs each per token forward, times 3 for forward + backward. Counted for the full square even
+    though causal attention could skip half of it, which is the common convention.
+    """
     return 6 * num_params + 12 * num_layers * hidden_size * seq_len
 
 
@@ -136,7 +147,7 @@ def resolve_accumulation(batch_size: int, world_size: int, accumulation_steps: i
         return accumulation_steps, batch_size * world_size * accumulation_steps
     per_micro_step = batch_size * world_size
     if global_batch_size % per_micro_step != 0:
-        raise ValueError(f"--global_batch_size {global_batch_size} is not a multiple of batch_size "
+        raise ConfigError(f"--global_batch_size {global_batch_size} is not a multiple of batch_size "
                          f"{batch_size} x world_size {world_size} = {per_micro_step}; choose a global batch "
                          f"or batch size so that it divides")
     return global_batch_size // per_micro_step, global_batch_size
@@ -177,25 +188,6 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 def run_name(weight: str, lm_config: LMConfig) -> str:
     """`{weight}_{hidden}[_moe]`: the stem of every file a run writes."""
     return f"{weight}_{lm_config.hidden_size}{'_moe' if lm_config.use_moe else ''}"
-
-
-def load_initial_weights(model: torch.nn.Module, from_weight: str, save_dir: str, lm_config: LMConfig,
-                         log) -> None:
-    """--from_weight NAME loads `{save_dir}/{NAME}_{hidden}[_moe].pth` strictly; 'none' keeps random init."""
-    if from_weight == "none":
-        return
-    path = Path(save_dir) / f"{run_name(from_weight, lm_config)}.pth"
-    if not path.is_file():
-        raise FileNotFoundError(f"--from_weight {from_weight}: {path} does not exist. Train that stage first "
-                                f"(e.g. trainer/train_pretrain.py with the same --hidden_size), or pass "
-                                f"--from_weight none to start from random weights")
-    weights = checkpoint_io.load_trusted(path)
-    try:
-        model.load_state_dict(weights, strict=True)
-    except RuntimeError as error:
-        raise ValueError(f"{path} does not fit the model built from the flags (check --hidden_size, "
-                         f"--num_hidden_layers, heads, --use_moe):\n{error}") from None
-    log(f"loaded initial weights from {path}")
 
 
 # ---- checkpoints ----------------------------------------------------------------------------
@@ -356,6 +348,10 @@ def _choose_checkpoint(files: checkpoint_io.RunFiles, resume_path: str | None, l
     """(path, loaded state) of the checkpoint to resume; (None, None) when there is nothing."""
     if resume_path is None:
         found = checkpoint_io.newest_good_checkpoint(files, log)
+        if found is None and files.resume_link.is_file():  # a lone file: copied here, or minimind's
+            log(f"{files.resume_link} has no manifest, so its bytes could not be checksum-verified; "
+                f"loading it with weights_only=True")
+            return str(files.resume_link), checkpoint_io.load_trusted(files.resume_link)
         return (None, None) if found is None else (str(found[0]), found[1])
     path = Path(resume_path)
     problem = checkpoint_io.verify(path)
