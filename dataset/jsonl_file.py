@@ -160,12 +160,14 @@ class JsonlFile:
         line numbers, and how many lines (blank ones included) the block holds."""
         newlines = np.flatnonzero(np.frombuffer(block, dtype=np.uint8) == ord("\n"))
         line_starts = np.concatenate([[0], newlines + 1])
-        # One decode and one split per block, not per line: per-line bytes objects cost more.
+        # Decode once per block; json.loads then parses text. The split lines up with `line_starts`
+        # because only "\n" ends a line (str.splitlines would also split on "\u2028" and others).
         lines = self._decode(block, lines_before + 1, line_starts).split("\n")
         if block.endswith(b"\n"):
             lines.pop()  # the empty string after the final newline is not a line
         records = []  # positions in `lines` of the lines that hold a record
         for k, line in enumerate(lines):
+            # A record line starts with "{", so the strip only runs on the rare line that starts blank.
             if not line or (line[0] in BLANK_CHARS and not line.strip(BLANK_CHARS)):
                 continue
             line_number = lines_before + 1 + k

@@ -14,7 +14,7 @@ python trainer/train_pretrain.py "${SIZE[@]}" --max_seq_len 128 --batch_size 32 
     --epochs 3 --log_interval 50 --save_interval 200 --val_data dataset/val_demo.jsonl --eval_interval 200
 
 echo "== 3. supervised fine-tuning (starts from out/pretrain_128.pth)"
-python trainer/train_full_sft.py "${SIZE[@]}" --max_seq_len 128 --batch_size 32 --learning_rate 1e-3 \
+python trainer/train_full_sft.py "${SIZE[@]}" --max_seq_len 192 --batch_size 32 --learning_rate 1e-3 \
     --epochs 3 --log_interval 50 --save_interval 200
 
 echo "== 4. exact-match accuracy on held-out questions"
@@ -25,4 +25,4 @@ python eval_model.py --weight full_sft "${SIZE[@]}" --prompt "What is the capita
 python eval_model.py --weight full_sft "${SIZE[@]}" --prompt "3加4等于几？"
 
 echo "== 6. loss curves"
-python -m scripts.plot_metrics out/pretrain_128_metrics.jsonl -o out/pretrain_128_curves.png
+python scripts/plot_metrics.py out/pretrain_128_metrics.jsonl -o out/pretrain_128_curves.png

@@ -271,7 +271,8 @@ def lm_checkpoint(lm_config: LMConfig, weight: str = "full_sft", model=None, opt
     files = checkpoint_io.RunFiles(Path(checkpoint_dir), run_name(weight, lm_config))
     if model is None:
         state = _load_resume_state(files, resume_path, log)
-        if state is not None and num_samples is not None and global_batch is not None:
+        # (A minimind file has no cursor: resume.py converts it, its "step" is minimind's own.)
+        if state is not None and "samples_consumed" in state and num_samples is not None and global_batch is not None:
             state["step"] = step_in_epoch(num_samples, state["samples_consumed"], global_batch)
         return state
     rng_states = [capture_rng_state()]
