@@ -269,8 +269,8 @@ def training_runs(path: Path, workdir: Path) -> list[dict]:
 
 def print_training(results: list[dict], path: Path) -> None:
     print(f"\nstart-up on {path.name} ({path.stat().st_size / 1e9:.2f} GB), tiny model, from launch:")
-    print(f"| run | first step | launch → first step | whole run | peak RSS per rank | "
-          f"DataLoader worker | load avg |")
+    print("| run | first step | launch → first step | whole run | peak RSS per rank | "
+          "DataLoader worker | load avg |")
     print("|---|---|---|---|---|---|---|")
     for r in results:
         ranks = ", ".join(f"{mb:.0f} MB" for mb in r["ranks_mb"])

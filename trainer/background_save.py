@@ -23,6 +23,9 @@ import threading
 from typing import Callable
 
 import torch
+import torch.distributed as dist
+
+from trainer.checkpoint_io import CheckpointError
 
 
 class StateSnapshot:
@@ -106,3 +109,23 @@ class BackgroundSaver:
             write()
         except BaseException as error:  # kept for wait(); the training thread decides what happens
             self.error = error
+
+
+def finish_saves(saver: BackgroundSaver | None) -> None:
+    """Wait for the save in flight; if it failed, every rank raises (rank 0 with the writer's error).
+
+    Call it on every rank (`saver` is None except on rank 0 with background saves).
+    """
+    error = None
+    if saver is not None:
+        try:
+            saver.wait()
+        except Exception as caught:  # re-raised below, after the other ranks know
+            error = caught
+    failed = [error is not None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(failed, src=0)
+    if error is not None:
+        raise error
+    if failed[0]:
+        raise CheckpointError("rank 0 could not write the checkpoint (see its error); the previous one is intact")

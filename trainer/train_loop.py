@@ -11,10 +11,7 @@ however the batch is split across GPUs and micro-steps.
 
 from __future__ import annotations
 
-import gc
 import os
-import shlex
-import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -32,13 +29,14 @@ from model.model import CausalLM
 from model.tokenizer import load_tokenizer
 from trainer import callbacks as cb
 from trainer.anomaly import AnomalyGuard, AnomalyStop, StepAction, install_debug_injection
-from trainer.background_save import BackgroundSaver
+from trainer.background_save import BackgroundSaver, finish_saves
 from trainer.checkpoint_io import CheckpointError
 from trainer.data_order import IndexedDataset, SkipBatchSampler, epoch_order, step_in_epoch, steps_in_epoch, steps_left
 from trainer.flags import model_config_and_weights
 from trainer.metrics_files import MetricsFileWriter
 from trainer.resume import (FIXED_TRAINING_ARGS, data_fingerprint, keep_unmanaged_resume_file, load_checkpoint_state,
                             restore_training_state, resume_if_asked)
+from trainer.stopping import continue_command, install_stop_handlers, release_before_teardown
 from trainer.trainer_utils import (ConfigError, DistInfo, Logger, cleanup_distributed, flops_per_token, get_lr, init_distributed,
                                    lm_checkpoint, peak_flops, resolve_accumulation, run_name,
                                    setup_seed, unwrap, validation_loss)
@@ -178,7 +176,7 @@ def train(args, make_dataset) -> None:
         while run.epoch < args.epochs and status in ("completed", "rolled back"):
             status = train_epoch(run)
         status = "completed" if status == "rolled back" else status
-        finish_saves(run)
+        finish_saves(run.saver)
     except BaseException as error:
         if run.saver is not None:  # let an in-flight save complete; the error at hand is what we report
             run.saver.wait(raise_error=False)
@@ -205,22 +203,6 @@ def train(args, make_dataset) -> None:
     cleanup_distributed()
 
 
-def continue_command(argv: list[str], world_size: int) -> str:
-    """The command that resumes this run, ready to paste: `python ...` or `torchrun ...`, with --from_resume 1."""
-    args = list(argv[1:])
-    if "--from_resume" in args[:-1]:
-        args[args.index("--from_resume") + 1] = "1"
-    else:
-        args += ["--from_resume", "1"]
-    if "LOCAL_RANK" not in os.environ:
-        launcher = ["python"]
-    else:  # the same torchrun layout; on several nodes, add your rendezvous flags as before
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        nodes = ["--nnodes", str(world_size // per_node)] if world_size > per_node else []
-        launcher = ["torchrun", *nodes, "--nproc_per_node", str(per_node)]
-    return shlex.join(launcher + [argv[0]] + args)
-
-
 def make_callbacks(run: RunContext, tracker_ids: dict) -> list[cb.TrainerCallback]:
     args, callbacks = run.args, []
     if args.save_debug_train_output:
@@ -244,29 +226,6 @@ def make_callbacks(run: RunContext, tracker_ids: dict) -> list[cb.TrainerCallbac
     return callbacks
 
 
-def release_before_teardown(run: RunContext) -> None:
-    """Drop the DDP wrapper while the process group still exists.
-
-    DDP's reducer holds gloo/nccl work; destroyed after the group (by a late garbage collection,
-    or at exit) it can abort the process after a successful run. The stop handlers' closure
-    keeps `run` alive, so they are reset first, then cycles are collected now.
-    """
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    run.model = None
-    gc.collect()
-
-
-def install_stop_handlers(run: RunContext) -> None:
-    """SIGTERM (preemption) and SIGINT (Ctrl-C) finish the current step, save, and exit 0."""
-    def request_stop(signum, frame):
-        run.stop_signal = signal.Signals(signum).name
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C interrupts at once
-
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
-
-
 def train_epoch(run: RunContext) -> str:
     """Train from the cursor to the end of the epoch; returns 'completed', 'stopped' or 'rolled back'."""
     args, n = run.args, len(run.dataset)
@@ -287,7 +246,7 @@ def train_epoch(run: RunContext) -> str:
         else:
             result = train_step(run, micro_batches, window)
         if result.save_failed:
-            finish_saves(run)  # raises on every rank, rank 0 with the writer's error
+            finish_saves(run.saver)  # raises on every rank, rank 0 with the writer's error
         if result.action == StepAction.ROLLBACK:
             roll_back(run, result.anomaly)
             return "rolled back"
@@ -395,7 +354,7 @@ def skip_window(run: RunContext, micro_batches: list) -> StepResult:
 def roll_back(run: RunContext, reason: str) -> None:
     """Return to the newest good checkpoint and arrange to step over the window that went wrong."""
     bad_epoch, bad_window_start = run.epoch, run.samples_consumed
-    finish_saves(run)  # the newest checkpoint must be complete before we look for it
+    finish_saves(run.saver)  # the newest checkpoint must be complete before we look for it
     state = load_checkpoint_state(run)
     if state is None:
         raise AnomalyStop(f"{reason}; no checkpoint to roll back to yet (lower --save_interval)")
@@ -405,23 +364,6 @@ def roll_back(run: RunContext, reason: str) -> None:
             f"({state['resumed_from']}); will skip the batch window at sample {bad_window_start} of epoch "
             f"{bad_epoch + 1}; lr scale now {run.guard.lr_scale:g}")
     run.callbacks.fire("on_rollback", run, run.global_step)
-
-
-def finish_saves(run: RunContext) -> None:
-    """Wait for the save in flight; if it failed, every rank raises (rank 0 with the writer's error)."""
-    error = None
-    if run.saver is not None:
-        try:
-            run.saver.wait()
-        except Exception as caught:  # re-raised below, after the other ranks know
-            error = caught
-    failed = [error is not None]
-    if dist.is_initialized():
-        dist.broadcast_object_list(failed, src=0)
-    if error is not None:
-        raise error
-    if failed[0]:
-        raise CheckpointError("rank 0 could not write the checkpoint (see its error); the previous one is intact")
 
 
 def log_metrics(run: RunContext, record: dict) -> None:

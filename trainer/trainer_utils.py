@@ -27,10 +27,13 @@ import torch.distributed as dist
 from model.model import LMConfig
 from trainer import checkpoint_io
 from trainer.background_save import BackgroundSaver, StateSnapshot
-# SkipBatchSampler is re-exported here because minimind's readers look for it in trainer_utils.
-from trainer.data_order import SkipBatchSampler, step_in_epoch  # noqa: F401
+from trainer.data_order import SkipBatchSampler, step_in_epoch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+# minimind's readers look for the sampler here (`from trainer.trainer_utils import SkipBatchSampler`).
+__all__ = ["SkipBatchSampler", "lm_checkpoint"]
 
 
 class ConfigError(ValueError):
