@@ -37,8 +37,8 @@ from dataset.chat_format import ChatEncoder, parse_conversation, render_segments
 from model.hf import load_project_weights
 from model.model import CausalLM
 from model.tokenizer import BOS_ID, EOS_ID, load_tokenizer
+from trainer.trainer_utils import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parent
 
 
 # ---- loading --------------------------------------------------------------------------------

@@ -31,10 +31,8 @@ from dataset.chat_format import ChatEncoder, parse_conversation, render_segments
 from dataset.chat_format import text_only_copy as _text_only_copy
 from dataset.jsonl_file import JsonlFile
 
-SPECIAL_TOKENS = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
-PAD_ID = SPECIAL_TOKENS["<|endoftext|>"]
-BOS_ID = SPECIAL_TOKENS["<|im_start|>"]
-EOS_ID = SPECIAL_TOKENS["<|im_end|>"]
+from model.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
 IGNORE_INDEX = -100  # the default ignore_index of torch.nn.functional.cross_entropy
 # For SFTDataset's optional system-prompt augmentation (minimind adds one to some conversations
 # so that the model answers the same with or without a system message).
@@ -50,24 +48,6 @@ SYSTEM_PROMPTS = (
     "你是一个知识丰富的助手，请给出正确而有用的回答。",
     "请尽力回答用户的问题。",
 )
-
-
-def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """Load a ``tokenizer.json`` and check it has our special tokens at our ids."""
-    tokenizer = Tokenizer.from_file(str(path))
-    specials = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
-    for token, expected_id in SPECIAL_TOKENS.items():
-        if token not in specials:
-            raise ValueError(
-                f"{path}: special token {token!r} is missing (expected id {expected_id}). "
-                "Retrain the tokenizer with trainer/train_tokenizer.py."
-            )
-        if specials[token] != expected_id:
-            raise ValueError(
-                f"{path}: special token {token!r} has id {specials[token]}, expected "
-                f"{expected_id}. Retrain the tokenizer with trainer/train_tokenizer.py."
-            )
-    return tokenizer
 
 
 def _check_pretrain_record(record: dict) -> None:

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.tokenizer import EOS_ID, PAD_ID
+
 # A KV cache is one (keys, values) pair per layer, each shaped (batch, kv_heads, seq, head_dim).
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -65,8 +67,8 @@ class LMConfig:
     moe_intermediate_size: int | None = None  # None -> intermediate_size (one expert = one dense MLP)
     aux_loss_coef: float = 0.01
     tie_word_embeddings: bool = True
-    eos_token_id: int = 2  # <|im_end|>
-    pad_token_id: int = 0  # <|endoftext|>
+    eos_token_id: int = EOS_ID  # <|im_end|>
+    pad_token_id: int = PAD_ID  # <|endoftext|>
 
     def __post_init__(self) -> None:
         self._check_positive("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",

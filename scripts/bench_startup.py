@@ -37,7 +37,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: the repository, not this folder, goes first on the import path
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from trainer.trainer_utils import REPO_ROOT
+
 BYTES_PER_LINE = 945  # 1.2 GB / 1.27 M lines, as in minimind's pretrain_hq.jsonl
 TINY_MODEL = ["--hidden_size", "64", "--num_hidden_layers", "2", "--num_attention_heads", "4",
               "--num_key_value_heads", "2", "--max_seq_len", "128", "--batch_size", "8", "--device", "cpu",

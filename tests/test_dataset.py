@@ -11,8 +11,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from dataset.chat_format import render_chat_text
-from dataset.lm_dataset import (BOS_ID, EOS_ID, IGNORE_INDEX, PAD_ID, JsonlFile, PretrainDataset,
-                                SFTDataset, load_tokenizer)
+from dataset.lm_dataset import IGNORE_INDEX, JsonlFile, PretrainDataset, SFTDataset
+from model.tokenizer import BOS_ID, EOS_ID, PAD_ID, load_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DATA_DIR = REPO_ROOT / "dataset"
@@ -95,8 +95,8 @@ def test_sft_multi_turn_labels_every_assistant_turn(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "s.jsonl", [conversation])
     input_ids, labels = SFTDataset(path, tokenizer, max_seq_len=96)[0]
     spans = labelled_spans(input_ids, labels)
-    assert [tokenizer.decode(span) for span in spans] == ["<think>\n\n</think>\n\n7\n",
-                                                          "<think>\n\n</think>\n\nsmall\n"]
+    assert [tokenizer.decode(span, skip_special_tokens=False) for span in spans] == [
+        "<think>\n\n</think>\n\n7<|im_end|>\n", "<think>\n\n</think>\n\nsmall<|im_end|>\n"]
     assert all(span[-2] == EOS_ID for span in spans)
     assert (labels[input_ids == PAD_ID] == IGNORE_INDEX).all()
 

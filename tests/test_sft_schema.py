@@ -102,10 +102,11 @@ def write_jsonl(path: Path, lines: list) -> Path:
     return path
 
 
-def build_tokenizer(path: Path, tags_are_special: bool) -> Tokenizer:
+def build_tokenizer(path: Path, tags_are_special: bool, with_tags: bool = True) -> Tokenizer:
     """A byte-level BPE with the ChatML specials at 0, 1, 2 and the chat tags after them.
 
-    `tags_are_special=False` adds the tags as plain added tokens, as minimind's tokenizer has them.
+    `tags_are_special=False` adds the tags as plain added tokens, as minimind's tokenizer has them;
+    `with_tags=False` leaves them out, so they are encoded as text.
     """
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -115,7 +116,7 @@ def build_tokenizer(path: Path, tags_are_special: bool) -> Tokenizer:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     corpus = [m["content"] for m in MESSAGES] + ["The weather in Lima is mild.", "北京的天气很好。"] * 20
     tokenizer.train_from_iterator(corpus, trainer=trainer)
-    if not tags_are_special:
+    if with_tags and not tags_are_special:
         tokenizer.add_tokens(CHAT_TAGS)
     tokenizer.save(str(path))
     return load_tokenizer(path)  # the project's check: ChatML specials at 0, 1, 2
@@ -130,6 +131,12 @@ def tagged_tokenizer(request, tmp_path_factory) -> Tokenizer:
 @pytest.fixture(scope="module")
 def demo_tokenizer() -> Tokenizer:
     return load_tokenizer(DEFAULT_TOKENIZER)
+
+
+@pytest.fixture(scope="module")
+def tagless_tokenizer(tmp_path_factory) -> Tokenizer:
+    """Only the three ChatML specials: the chat tags are encoded as text."""
+    return build_tokenizer(tmp_path_factory.mktemp("tagless") / "tokenizer.json", False, with_tags=False)
 
 
 def sft_item(tmp_path: Path, tokenizer: Tokenizer, messages: list[dict], **kwargs) -> tuple[list[int], list[int]]:
@@ -200,15 +207,15 @@ def test_tag_text_inside_data_stays_text(tmp_path, tagged_tokenizer):
         "<think>\n\n</think>\n\nMarkers: <tool_call>.<|im_end|>\n"
 
 
-# ---- (b) the demo tokenizer: tags are text -------------------------------------------------------
+# ---- (b) a tokenizer without the tags: they are text -------------------------------------------------------
 
-def test_demo_tokenizer_encodes_tags_as_text_with_the_same_mask(tmp_path, demo_tokenizer):
-    assert not any(demo_tokenizer.token_to_id(tag) for tag in TAGS)
-    ids, labels = sft_item(tmp_path, demo_tokenizer, MESSAGES)
-    assert ids == demo_tokenizer.encode(EXPECTED_TEXT).ids
+def test_a_tokenizer_without_tags_encodes_them_as_text_with_the_same_mask(tmp_path, tagless_tokenizer):
+    assert not any(tagless_tokenizer.token_to_id(tag) for tag in TAGS)
+    ids, labels = sft_item(tmp_path, tagless_tokenizer, MESSAGES)
+    assert ids == tagless_tokenizer.encode(EXPECTED_TEXT).ids
     trained = [label != IGNORE_INDEX for label in labels]
-    assert trained == expected_mask_from_offsets(demo_tokenizer, EXPECTED_TEXT)
-    assert [demo_tokenizer.decode(run, skip_special_tokens=False) for run in trained_runs(ids, labels)] \
+    assert trained == expected_mask_from_offsets(tagless_tokenizer, EXPECTED_TEXT)
+    assert [tagless_tokenizer.decode(run, skip_special_tokens=False) for run in trained_runs(ids, labels)] \
         == EXPECTED_TRAINED
 
 
@@ -243,8 +250,9 @@ def test_transformers_and_renderer_agree_on_inline_think_and_calls_without_conte
 
 # ---- eval_model.py prompts with the training ids and reads the answer after the think block ------
 
-def test_eval_prompt_ids_are_the_training_ids_before_the_answer(tmp_path, tagged_tokenizer, demo_tokenizer):
-    for tokenizer in (tagged_tokenizer, demo_tokenizer):
+def test_eval_prompt_ids_are_the_training_ids_before_the_answer(tmp_path, tagged_tokenizer, demo_tokenizer,
+                                                                  tagless_tokenizer):
+    for tokenizer in (tagged_tokenizer, demo_tokenizer, tagless_tokenizer):
         ids, labels = sft_item(tmp_path, tokenizer, MESSAGES)
         prompt = eval_model.chat_prompt_ids(tokenizer, MESSAGES[:-1])
         assert ids[:len(prompt)] == prompt

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from dataset.lm_dataset import SPECIAL_TOKENS, load_tokenizer
+from model.tokenizer import SPECIAL_TOKENS, load_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER_PATH = REPO_ROOT / "model" / "tokenizer.json"
