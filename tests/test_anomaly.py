@@ -61,8 +61,8 @@ def test_nan_under_stop_exits_3_names_the_reason_and_keeps_the_last_good_checkpo
 
 
 def test_nan_under_warn_is_skipped_and_never_reaches_the_weights(tmp_path, pretrain_data):
-    train("train_pretrain.py", None, job_args(tmp_path, pretrain_data, "--on_anomaly", "warn", "--debug_inject", "nan:5"),
-          tmp_path)
+    train("train_pretrain.py", None,
+          job_args(tmp_path, pretrain_data, "--on_anomaly", "warn", "--debug_inject", "nan:5"), tmp_path)
     status = status_of(tmp_path)
     assert (status["status"], status["current_step"], status["anomaly_reason"]) == (
         "completed", 19, "non-finite loss nan at step 5")

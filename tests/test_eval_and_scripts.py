@@ -1,7 +1,8 @@
 """eval_model.py and the scripts/ tools, on small real artifacts of the real trainer.
 
 Two identical 3-step pretraining runs (CPU, tiny model) are made once for the whole module; the
-tests then read their FP16 weights, resume checkpoints and debug traces.
+tests then read their FP16 weights, resume checkpoints and debug traces. The exact-match eval is
+also run on a tiny model trained until it knows its answers, so its score is known in advance.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import pytest
 import torch
 
 import eval_model
-from conftest import REPO, TINY_MODEL, child_env, read_trace, slice_jsonl, train
-from dataset.lm_dataset import load_tokenizer
+from conftest import REPO, TINY_MODEL, child_env, read_trace, run_args, slice_jsonl, train
+from model.tokenizer import load_tokenizer
 from scripts import bench, compare_runs, inspect_checkpoint
 from trainer.checkpoint_io import CheckpointError
 
@@ -38,15 +39,13 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     for name in ("a", "b"):
         run_dir = root / name
         train("train_pretrain.py", None,
-              ["--batch_size", str(BATCH), "--max_steps", str(STEPS), "--save_interval", "2",
-               "--data_path", str(data), "--save_dir", str(run_dir / "out"),
-               "--checkpoint_dir", str(run_dir / "ckpt"), "--save_debug_train_output", str(run_dir / "trace.jsonl")],
+              run_args(run_dir, data, "--batch_size", str(BATCH), "--max_steps", str(STEPS), "--save_interval", "2"),
               cwd=root)
         made[name] = run_dir
     return made
 
 
-def resume_file(run_dir: Path) -> Path:
+def resume_path(run_dir: Path) -> Path:
     return run_dir / "ckpt" / "pretrain_32_resume.pth"
 
 
@@ -68,7 +67,12 @@ def test_eval_prompt_continues_text_from_the_command_line(runs):
                              *eval_args(runs["a"], "pretrain", "--prompt", "Once upon", "--max_new_tokens", "8")],
                             cwd=runs["root"], env=child_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("Once upon")  # a pretrained model continues the raw text
+    # A pretrained model continues the raw text: the prompt, then its own greedy continuation.
+    args = eval_model.build_arg_parser().parse_args(eval_args(runs["a"], "pretrain"))
+    tokenizer = load_tokenizer(args.tokenizer_path)
+    model = eval_model.load_model(args, tokenizer, torch.device("cpu"))
+    continuation = eval_model.generate_text(model, tokenizer, eval_model.raw_prompt_ids(tokenizer, "Once upon"), 8)
+    assert result.stdout == f"Once upon{continuation}\n"
 
 
 def test_evaluate_exact_match_counts_the_models_own_greedy_answers_as_correct(runs):
@@ -88,13 +92,30 @@ def test_evaluate_exact_match_counts_the_models_own_greedy_answers_as_correct(ru
     assert len(mistakes) == 1 and "surely not this" in mistakes[0]
 
 
-def test_eval_file_prints_the_accuracy_line(runs, tmp_path, capsys):
-    eval_file = slice_jsonl(REPO / "dataset" / "sft_demo_eval.jsonl", tmp_path / "eval.jsonl", 3)
-    shutil.copy(runs["a"] / "out" / "pretrain_32.pth", runs["a"] / "out" / "full_sft_32.pth")
-    assert eval_model.main(eval_args(runs["a"], "full_sft", "--eval", str(eval_file), "--max_new_tokens", "4")) == 0
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    match = re.fullmatch(r"exact-match accuracy: (\d+)/3 = (\d+\.\d)%", last)
-    assert match and 0 <= int(match.group(1)) <= 3, last
+def test_eval_file_scores_a_model_that_learned_its_questions_and_counts_a_wrong_reference(tmp_path, capsys):
+    # Four demo questions of four kinds, eight copies each: SFT from random weights learns them in
+    # 160 steps (loss ~0.003 on every seed tried), so each greedy answer must be the reference.
+    demo = [json.loads(line) for line in (REPO / "dataset" / "sft_demo_eval.jsonl").read_text(encoding="utf-8")
+            .splitlines()[:5]]
+    questions = [demo[i] for i in (0, 1, 3, 4)]  # next number, opposite (zh), animal sound (zh), addition
+    assert len({q["conversations"][-1]["content"] for q in questions}) == 4
+    learned = tmp_path / "learned.jsonl"
+    learned.write_text("".join(json.dumps(q, ensure_ascii=False) + "\n" for q in questions * 8), encoding="utf-8")
+    train("train_full_sft.py", None, run_args(tmp_path, learned, "--from_weight", "none", "--batch_size", "8",
+                                              "--epochs", "40", "--learning_rate", "1e-2", "--warmup_ratio", "0",
+                                              "--log_interval", "40", "--save_interval", "1000"), tmp_path)
+    first = questions[0]["conversations"]
+    wrong = {"conversations": [*first[:-1], {"role": "assistant", "content": "38"}]}  # the answer is 37
+    eval_file = tmp_path / "eval.jsonl"
+    eval_file.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in [*questions, wrong]),
+                         encoding="utf-8")
+    assert first[-1]["content"] == "37"
+
+    assert eval_model.main(["--weight", "full_sft", "--save_dir", str(tmp_path / "out"), "--device", "cpu",
+                            "--eval", str(eval_file), "--verbose", "--max_new_tokens", "16"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-2:] == [f"#5: {first[0]['content']!r} -> got '37', expected '38'",
+                          "exact-match accuracy: 4/5 = 80.0%"]
 
 
 def test_interactive_loop_keeps_going_until_an_empty_line(runs, monkeypatch, capsys):
@@ -132,13 +153,13 @@ def test_bench_prints_one_json_line_with_every_key(capsys):
 # ---- scripts/inspect_checkpoint.py ------------------------------------------------------------
 
 def test_inspect_resume_file_shows_position_and_verifies_it(runs):
-    text = inspect_checkpoint.describe_checkpoint(resume_file(runs["a"]))
+    text = inspect_checkpoint.describe_checkpoint(resume_path(runs["a"]))
     assert "resume checkpoint" in text
     assert re.search(r"integrity: +OK, verified against manifest pretrain_32_history/step_00000003.json", text)
     assert re.search(r"global step: +3\n", text)
     assert re.search(rf"samples consumed: +{STEPS * BATCH} of {NUM_SAMPLES} samples", text)
     assert re.search(r"world size: +1\n", text) and "GradScaler scale: not used" in text
-    model = torch.load(resume_file(runs["a"]), weights_only=True)["model"]
+    model = torch.load(resume_path(runs["a"]), weights_only=True)["model"]
     unique = sum(t.numel() for n, t in model.items() if n != "lm_head.weight")  # lm_head is tied
     assert re.search(rf"parameters: +{unique:,}\n", text)
 
@@ -213,7 +234,7 @@ def test_compare_reports_repeated_samples_in_an_epoch():
 
 
 def test_compare_resume_files_of_identical_runs_from_the_command_line(runs):
-    command = [sys.executable, "-m", "scripts.compare_runs", str(resume_file(runs["a"])), str(resume_file(runs["b"]))]
+    command = [sys.executable, "-m", "scripts.compare_runs", str(resume_path(runs["a"])), str(resume_path(runs["b"]))]
     result = subprocess.run(command, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.startswith("identical:")
@@ -221,6 +242,6 @@ def test_compare_resume_files_of_identical_runs_from_the_command_line(runs):
 
 def test_compare_resume_files_names_the_first_differing_tensor(runs):
     older = runs["a"] / "ckpt" / "pretrain_32_history" / "step_00000002.pth"
-    code, report = compare_runs.compare_paths(resume_file(runs["a"]), older)
+    code, report = compare_runs.compare_paths(resume_path(runs["a"]), older)
     assert code == 1
     assert "global_step: 3 vs 2" in report and "first differing tensor: model.embed_tokens.weight" in report

@@ -52,8 +52,8 @@ def test_sft_refuses_a_missing_pretrain_file_then_starts_from_it(tmp_path, pretr
 
 
 def test_sft_trains_only_on_the_assistant_tokens(tmp_path, sft_data):
-    train("train_full_sft.py", None, run_args(tmp_path, sft_data, "--batch_size", "4", "--epochs", "1", "--from_weight", "none"),
-          tmp_path)
+    train("train_full_sft.py", None,
+          run_args(tmp_path, sft_data, "--batch_size", "4", "--epochs", "1", "--from_weight", "none"), tmp_path)
     max_seq_len = int(TINY_MODEL[TINY_MODEL.index("--max_seq_len") + 1])
     dataset = SFTDataset(sft_data, load_tokenizer(), max_seq_len)
     trace = trace_of(tmp_path)

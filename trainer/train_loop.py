@@ -233,8 +233,11 @@ def train_epoch(run: RunContext) -> str:
         run.dataset.set_epoch(run.epoch)
     sampler = SkipBatchSampler(epoch_order(args.seed, run.epoch, n), run.samples_consumed, run.global_batch,
                                args.batch_size, run.dist.rank, run.dist.world_size)
+    # The loader gets its own generator: otherwise each iter() draws a worker seed from the global
+    # torch RNG, and a resumed run (one iter() more than an uninterrupted one) would drift from it.
     loader = DataLoader(IndexedDataset(run.dataset), batch_sampler=sampler, num_workers=args.num_workers,
-                        pin_memory=run.dist.device.type == "cuda")
+                        pin_memory=run.dist.device.type == "cuda",
+                        generator=torch.Generator().manual_seed(args.seed * 1_000_003 + run.epoch))
     batches = iter(loader)
     run.callbacks.fire("on_epoch_begin", run, run.epoch)
     for step_in_call in range(sampler.num_steps()):
