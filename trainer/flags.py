@@ -1,4 +1,4 @@
-"""The command-line flags both training scripts share (the contract in ARCHITECTURE.md), and the
+"""The command-line flags both training scripts share (users and tests rely on their names), and the
 model config they describe. Each script passes only its own defaults, so the two cannot drift apart.
 """
 
@@ -43,7 +43,8 @@ def build_arg_parser(description: str, *, save_weight: str, from_weight: str, da
     a("--num_attention_heads", type=int, default=8)
     a("--num_key_value_heads", type=int, default=4)
     a("--use_moe", type=int, default=0, choices=(0, 1))
-    a("--intermediate_size", type=int, default=None, help="SwiGLU width (default: from --from_weight, else the model's)")
+    a("--intermediate_size", type=int, default=None,
+      help="SwiGLU width (default: from --from_weight, else the model's)")
     a("--num_experts", type=int, default=None, help="MoE experts (default: from --from_weight, else the model's)")
     a("--num_experts_per_tok", type=int, default=None, help="MoE top-k (default: the model's)")
     a("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),

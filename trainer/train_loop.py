@@ -37,8 +37,8 @@ from trainer.metrics_files import MetricsFileWriter
 from trainer.resume import (FIXED_TRAINING_ARGS, data_fingerprint, keep_unmanaged_resume_file, load_checkpoint_state,
                             restore_training_state, resume_if_asked)
 from trainer.stopping import continue_command, install_stop_handlers, release_before_teardown
-from trainer.trainer_utils import (ConfigError, DistInfo, Logger, cleanup_distributed, flops_per_token, get_lr, init_distributed,
-                                   lm_checkpoint, peak_flops, resolve_accumulation, run_name,
+from trainer.trainer_utils import (ConfigError, DistInfo, Logger, cleanup_distributed, flops_per_token, get_lr,
+                                   init_distributed, lm_checkpoint, peak_flops, resolve_accumulation, run_name,
                                    setup_seed, unwrap, validation_loss)
 
 
