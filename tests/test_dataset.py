@@ -14,13 +14,13 @@ from dataset.chat_format import render_chat_text
 from dataset.lm_dataset import IGNORE_INDEX, JsonlFile, PretrainDataset, SFTDataset
 from model.tokenizer import BOS_ID, EOS_ID, PAD_ID, load_tokenizer
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DATA_DIR = REPO_ROOT / "dataset"
+from conftest import REPO
+DATA_DIR = REPO / "dataset"
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return load_tokenizer(REPO_ROOT / "model" / "tokenizer.json")
+    return load_tokenizer(REPO / "model" / "tokenizer.json")
 
 
 def write_jsonl(path: Path, lines: list) -> Path:

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # 
 from model.model import CausalLM, LMConfig  # noqa: E402
 from model.hf import config_from_weights, export_hf, import_hf  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from conftest import REPO
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
@@ -99,7 +99,7 @@ def test_cli_exports_resume_file_with_its_own_config(tmp_path, tokenizer_path):
     out_dir = tmp_path / "hf"
     command = [sys.executable, "-m", "scripts.export_hf", str(resume_file), "-o", str(out_dir)]
     command += ["--tokenizer", str(tokenizer_path), "--dtype", "float32"]
-    subprocess.run(command, cwd=REPO_ROOT, check=True)
+    subprocess.run(command, cwd=REPO, check=True)
 
     ids = torch.randint(3, vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -114,10 +114,10 @@ def test_cli_exports_fp16_weight_file_without_size_flags_and_imports_it_back(tmp
     torch.save({name: t.half() for name, t in model.state_dict().items()}, weight_file)
     out_dir, reimported = tmp_path / "hf", tmp_path / "reimported.pth"
     # As a file from another directory (the script finds the repository itself), then as a module.
-    subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "export_hf.py"), str(weight_file), "-o", str(out_dir),
+    subprocess.run([sys.executable, str(REPO / "scripts" / "export_hf.py"), str(weight_file), "-o", str(out_dir),
                     "--tokenizer", str(tokenizer_path)], cwd=tmp_path, check=True)
     subprocess.run([sys.executable, "-m", "scripts.export_hf", str(out_dir), "--reverse", "-o", str(reimported)],
-                   cwd=REPO_ROOT, check=True)
+                   cwd=REPO, check=True)
 
     assert json.loads((out_dir / "config.json").read_text())["vocab_size"] == vocab_size
     original = torch.load(weight_file, map_location="cpu", weights_only=True)
@@ -135,11 +135,11 @@ def test_cli_checks_size_flags_against_the_file_and_names_both_shapes(tmp_path, 
     export = [sys.executable, "-m", "scripts.export_hf", str(weight_file), "--tokenizer", str(tokenizer_path)]
 
     agreeing = ["--hidden_size", "64", "--num_hidden_layers", "2", "--intermediate_size", str(width)]
-    subprocess.run(export + ["-o", str(tmp_path / "ok")] + agreeing, cwd=REPO_ROOT, check=True)
+    subprocess.run(export + ["-o", str(tmp_path / "ok")] + agreeing, cwd=REPO, check=True)
     assert json.loads((tmp_path / "ok" / "config.json").read_text())["intermediate_size"] == width
 
     refused = subprocess.run(export + ["-o", str(tmp_path / "no"), "--intermediate_size", str(width + 64)],
-                             cwd=REPO_ROOT, capture_output=True, text=True)
+                             cwd=REPO, capture_output=True, text=True)
     assert refused.returncode == 1 and not (tmp_path / "no").exists()
     assert (f"intermediate_size: file has {width} (model.layers.0.mlp.gate_proj.weight [{width}, 64]), "
             f"--intermediate_size asks {width + 64}") in refused.stderr

@@ -19,7 +19,7 @@ import dataset.jsonl_file as jsonl_file
 from dataset.jsonl_file import DataFileError, JsonlFile
 from dataset.lm_dataset import JsonlFile as JsonlFileFromDatasets
 
-REPO = Path(__file__).resolve().parent.parent
+from conftest import REPO
 
 RANK_SCRIPT = textwrap.dedent('''
     """One rank: index the file given on the command line with JsonlFile.shared and report."""

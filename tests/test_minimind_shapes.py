@@ -28,7 +28,7 @@ from model.model import CausalLM  # noqa: E402
 from model.tokenizer import DEFAULT_TOKENIZER, load_tokenizer  # noqa: E402
 from trainer.train_tokenizer import train_tokenizer  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from conftest import REPO
 MOE_HIDDEN = 256  # minimind's MoE layout at a smaller width, so the test stays fast
 
 
@@ -107,9 +107,9 @@ def our_model(state: dict[str, torch.Tensor], **requested) -> CausalLM:
 def export_cli(path: Path, out_dir: Path, *flags: str, as_file: bool = False) -> subprocess.CompletedProcess:
     """scripts/export_hf.py as a user runs it: as a module from the repo root, or as a file from elsewhere."""
     if as_file:
-        command, cwd = [sys.executable, str(REPO_ROOT / "scripts" / "export_hf.py")], out_dir.parent
+        command, cwd = [sys.executable, str(REPO / "scripts" / "export_hf.py")], out_dir.parent
     else:
-        command, cwd = [sys.executable, "-m", "scripts.export_hf"], REPO_ROOT
+        command, cwd = [sys.executable, "-m", "scripts.export_hf"], REPO
     return subprocess.run(command + [str(path), "-o", str(out_dir), *flags], cwd=cwd, capture_output=True, text=True)
 
 
@@ -276,6 +276,6 @@ def test_tokenizer_merges_chinese_characters_into_words_only_when_asked(tmp_path
 
 def test_default_tokenizer_training_reproduces_the_committed_tokenizer(tmp_path):
     out = tmp_path / "tokenizer.json"
-    subprocess.run([sys.executable, str(REPO_ROOT / "trainer" / "train_tokenizer.py"), "--out", str(out)],
+    subprocess.run([sys.executable, str(REPO / "trainer" / "train_tokenizer.py"), "--out", str(out)],
                    cwd=tmp_path, check=True, capture_output=True)
-    assert out.read_bytes() == (REPO_ROOT / "model" / "tokenizer.json").read_bytes()
+    assert out.read_bytes() == (REPO / "model" / "tokenizer.json").read_bytes()

@@ -10,8 +10,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from model.tokenizer import SPECIAL_TOKENS, load_tokenizer
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-TOKENIZER_PATH = REPO_ROOT / "model" / "tokenizer.json"
+from conftest import REPO
+TOKENIZER_PATH = REPO / "model" / "tokenizer.json"
 
 
 def test_committed_tokenizer_has_special_tokens_at_fixed_ids():
@@ -60,7 +60,7 @@ def test_load_tokenizer_names_a_missing_special_token(tmp_path):
 
 
 def run_train_tokenizer(corpus: Path, out: Path) -> None:
-    subprocess.run([sys.executable, str(REPO_ROOT / "trainer" / "train_tokenizer.py"),
+    subprocess.run([sys.executable, str(REPO / "trainer" / "train_tokenizer.py"),
                     "--data", str(corpus), "--vocab_size", "300", "--out", str(out)],
                    check=True, capture_output=True, cwd=out.parent)
 
