@@ -3,12 +3,15 @@
     distributed   init_distributed / cleanup_distributed, the rank-0 Logger, seeds
     throughput    FLOPs per token and the GPU's peak, for MFU
     schedule      the LR as a function of the position in the data; batch geometry
-    weights       unwrap (DDP / compile wrappers), initial weights for --from_weight
+    validation    the mean loss per token over a validation file
+    weights       unwrap (DDP / compile wrappers), the run's file name stem
     checkpoints   lm_checkpoint: what a `_resume.pth` holds, how it is saved and found again
 
 `train_pretrain.py` and `train_full_sft.py` differ only in their dataset and defaults; the loop they
-share is train_loop.py, the flags flags.py, the file protocol (atomic, verified, rotated)
-checkpoint_io.py, and resume.py decides what a resume restores or refuses.
+share is train_loop.py, the flags (and the model config, from flags or --from_weight) flags.py.
+A save goes lm_checkpoint -> background_save.py (copy to CPU memory, write in a thread) ->
+checkpoint_io.py (atomic, hashed, manifested, rotated); a resume goes resume.py (what it restores
+or refuses) -> lm_checkpoint -> checkpoint_io.py. stopping.py holds signals and teardown.
 """
 
 from __future__ import annotations
