@@ -113,7 +113,8 @@ def resume_if_asked(run) -> dict:
                                   f"another shape than the size flags: pass the file's sizes, or --from_weight none")
             unwrap(run.model).load_state_dict(weights, strict=True)
         return {}
-    if is_minimind_layout(state):
+    from_minimind = is_minimind_layout(state)
+    if from_minimind:
         state = from_minimind_layout(state, run)
     for note in check_resume_compatible(state, run.lm_config.to_dict(), run.fingerprint, run.train_args()):
         run.log(f"resume: {note}")
@@ -124,9 +125,11 @@ def resume_if_asked(run) -> dict:
     old_step = step_in_epoch(len(run.dataset), run.samples_consumed, old_batch)
     old_ws, new_ws = state["world_size"], run.dist.world_size
     change = f"world size {old_ws} -> {new_ws}: " if old_ws != new_ws else ""
+    exactness = "the count only: minimind's order differs" if from_minimind else "exact"
+    rng = "RNG restored" if rng_restored else "RNG reseeded" + ("" if from_minimind else " for the new world size")
     run.log(f"resumed from {state['resumed_from']}: {change}epoch step {old_step} -> {state['step']}, resuming at "
-            f"sample {run.samples_consumed} of epoch {run.epoch + 1} (exact; global step {run.global_step}"
-            f"{', RNG restored' if rng_restored else ', RNG reseeded for the new world size'})")
+            f"sample {run.samples_consumed} of epoch {run.epoch + 1} "
+            f"({exactness}; global step {run.global_step}, {rng})")
     return state["tracker_ids"]
 
 
