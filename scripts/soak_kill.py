@@ -39,6 +39,7 @@ if __package__ in (None, ""):  # run as a file: the repository, not this folder,
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from trainer.checkpoint_io import RunFiles, manifest_path
+from trainer.resume import TRAINING_STATE_FIELDS, state_differences
 from trainer.trainer_utils import REPO_ROOT
 
 # Slows the job down from outside the library (see its docstring).
@@ -260,21 +261,8 @@ def check_each_sample_once(records: list[dict], num_samples: int, epochs: int) -
 
 
 def compare_states(a: dict, b: dict) -> list[str]:
-    """Differences between two resume files' model, optimizer state and data position."""
-    differences = [f"model tensor {k} differs" for k in a["model"]
-                   if k not in b["model"] or not torch.equal(a["model"][k], b["model"][k])]
-    state_a, state_b = a["optimizer"]["state"], b["optimizer"]["state"]
-    if state_a.keys() != state_b.keys():
-        differences.append("optimizer state covers different parameters")
-    for param in state_a.keys() & state_b.keys():
-        for key, value in state_a[param].items():
-            other = state_b[param].get(key)
-            if other is None or not torch.equal(torch.as_tensor(value), torch.as_tensor(other)):
-                differences.append(f"optimizer {key} of parameter {param} differs")
-    for key in ("epoch", "samples_consumed", "global_step"):
-        if a[key] != b[key]:
-            differences.append(f"{key}: {a[key]} vs {b[key]}")
-    return differences
+    """Every difference between two resume files in what exact resume must reproduce (structure first)."""
+    return [d for name in TRAINING_STATE_FIELDS for d in state_differences({name: a[name]}, {name: b[name]})]
 
 
 # ---- the whole procedure ------------------------------------------------------------------------

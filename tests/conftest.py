@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from trainer.resume import TRAINING_STATE_FIELDS, state_differences
+
 REPO = Path(__file__).resolve().parent.parent
 FAULT_INJECTION_DIR = REPO / "tests" / "fault_injection"
 PRETRAIN_RUN = "pretrain_32"  # {save_weight}_{hidden_size} of TINY_MODEL
@@ -157,34 +159,6 @@ def assert_each_sample_once(records: list[dict], num_samples: int, epochs: int) 
 # ---- comparing resume states ------------------------------------------------------------------
 
 # What the next optimizer step depends on: two runs that agree on these continue identically.
-TRAINING_STATE_FIELDS = ("model", "optimizer", "scaler", "rng", "epoch", "step", "global_step", "samples_consumed")
-
-
-def state_differences(a, b, where: str = "") -> list[str]:
-    """Every difference between two nested checkpoint values, structure first.
-
-    Dicts must have the same keys and lists the same length before their items are compared, so
-    a truncated optimizer state or a missing RNG entry is a difference, never silently skipped.
-    Tensors must agree in dtype, shape and every element.
-    """
-    if isinstance(a, dict) and isinstance(b, dict):
-        if a.keys() != b.keys():
-            return [f"{where or 'top level'}: keys differ, only in first {sorted(map(str, a.keys() - b.keys()))}, "
-                    f"only in second {sorted(map(str, b.keys() - a.keys()))}"]
-        return [d for key in a for d in state_differences(a[key], b[key], f"{where}.{key}" if where else str(key))]
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            return [f"{where}: length {len(a)} vs {len(b)}"]
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in state_differences(x, y, f"{where}[{i}]")]
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        if a.dtype != b.dtype or a.shape != b.shape:
-            return [f"{where}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"]
-        return [] if torch.equal(a, b) else [f"{where}: values differ"]
-    if type(a) is not type(b) or a != b:
-        return [f"{where}: {a!r} vs {b!r}"]
-    return []
-
-
 def assert_states_equal(a: dict, b: dict, fields: tuple[str, ...] = TRAINING_STATE_FIELDS) -> None:
     """Two resume states hold the same `fields`, bit for bit: weights, optimizer state and param
     groups, scaler, every rank's RNG, and the data position."""

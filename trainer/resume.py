@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import hashlib
 
+import torch
+
 from pathlib import Path
 
 from trainer.checkpoint_io import RunFiles, set_aside_unmanaged_resume_file
@@ -193,3 +195,35 @@ def restore_training_state(run, state: dict) -> bool:
     if same_world:
         restore_rng_state(state["rng"][run.dist.rank])
     return same_world
+
+
+# ---- judging a resume -----------------------------------------------------------------------
+
+# What a resumed run must reproduce bit for bit on the same world size: weights, optimizer, scaler,
+# every rank's RNG and the data position. Tests and scripts/soak_kill.py judge resumes by it.
+TRAINING_STATE_FIELDS = ("model", "optimizer", "scaler", "rng", "epoch", "step", "global_step", "samples_consumed")
+
+
+def state_differences(a, b, where: str = "") -> list[str]:
+    """Every difference between two nested checkpoint values, structure first.
+
+    Dicts must have the same keys and lists the same length before their items are compared, so
+    a truncated optimizer state or a missing RNG entry is a difference, never silently skipped.
+    Tensors must agree in dtype, shape and every element.
+    """
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return [f"{where or 'top level'}: keys differ, only in first {sorted(map(str, a.keys() - b.keys()))}, "
+                    f"only in second {sorted(map(str, b.keys() - a.keys()))}"]
+        return [d for key in a for d in state_differences(a[key], b[key], f"{where}.{key}" if where else str(key))]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{where}: length {len(a)} vs {len(b)}"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in state_differences(x, y, f"{where}[{i}]")]
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return [f"{where}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"]
+        return [] if torch.equal(a, b) else [f"{where}: values differ"]
+    if type(a) is not type(b) or a != b:
+        return [f"{where}: {a!r} vs {b!r}"]
+    return []
