@@ -26,7 +26,7 @@ if __package__ in (None, ""):  # run as a file: the repository, not this folder,
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from model.hf import infer_sizes, size_flags
-from trainer.checkpoint_io import CheckpointError, RunFiles, load_trusted, manifest_path, sha256_of, verify
+from trainer.checkpoint_io import CheckpointError, RunFiles, load_trusted, manifest_path, verify
 
 
 # ---- small helpers --------------------------------------------------------------------------
@@ -90,24 +90,10 @@ def integrity(path: Path) -> tuple[bool | None, str]:
     if os.path.samefile(source, path):
         problem = verify(source)
     else:
-        problem = _compare_with_manifest(path, manifest_path(source))
+        problem = verify(path, manifest_path(source))
     if problem:
         return False, f"PROBLEM: {problem} (manifest {where})"
     return True, f"OK, verified against manifest {where} (size and SHA-256 match)"
-
-
-def _compare_with_manifest(path: Path, manifest_file: Path) -> str | None:
-    """verify() for a file that is not the one beside the manifest (a resume file copied, not linked)."""
-    try:
-        manifest = json.loads(manifest_file.read_text())
-        expected_size, expected_sha = int(manifest["size"]), str(manifest["sha256"])
-    except (ValueError, KeyError, TypeError) as error:
-        return f"manifest {manifest_file.name} is unreadable ({error})"
-    if path.stat().st_size != expected_size:
-        return f"size is {path.stat().st_size} bytes, manifest says {expected_size} (truncated?)"
-    if sha256_of(path) != expected_sha:
-        return "SHA-256 does not match the manifest (corrupted bytes)"
-    return None
 
 
 # ---- descriptions ---------------------------------------------------------------------------

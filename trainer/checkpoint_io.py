@@ -215,9 +215,12 @@ def rotate(files: RunFiles, keep_last: int) -> list[Path]:
     return removed
 
 
-def verify(path: Path) -> str | None:
-    """None if `path` matches its manifest (size and SHA-256), else what is wrong."""
-    manifest_file = manifest_path(path)
+def verify(path: Path, manifest_file: Path | None = None) -> str | None:
+    """None if `path` matches its manifest (size and SHA-256), else what is wrong.
+
+    The manifest is the one beside `path`, or `manifest_file` for a copy that lives elsewhere.
+    """
+    manifest_file = manifest_path(path) if manifest_file is None else manifest_file
     if not path.is_file():
         return "file is missing"
     if not manifest_file.is_file():
