@@ -43,7 +43,7 @@ class StateSnapshot:
         """
         copies: dict[tuple, torch.Tensor] = {}
         snapshot = self._copy(state, "", copies)
-        if any(t.is_cuda for t in self._tensors(state)):
+        if any(key[3].type == "cuda" for key in copies):
             torch.cuda.synchronize()  # the non-blocking copies must land before the writer reads them
         return snapshot
 
@@ -66,16 +66,6 @@ class StateSnapshot:
                                  pin_memory=self.pin_memory and like.is_cuda)
             self.buffers[path] = buffer
         return buffer
-
-    def _tensors(self, value):
-        if isinstance(value, torch.Tensor):
-            yield value
-        elif isinstance(value, dict):
-            for v in value.values():
-                yield from self._tensors(v)
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                yield from self._tensors(v)
 
 
 class BackgroundSaver:

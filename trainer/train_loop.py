@@ -317,11 +317,10 @@ def train_step(run: RunContext, micro_batches: list, window: int) -> StepResult:
     save_failed = run.saver is not None and run.saver.failed
     flags = torch.tensor([float(run.stop_signal is not None), float(input_tokens), float(save_failed)],
                          dtype=torch.float64)
-    shared = torch.cat([loss_sum.view(1), flags.to(device, non_blocking=True)])
-    local_loss_sum = loss_sum.clone()
+    shared = torch.cat([loss_sum.view(1), flags.to(device, non_blocking=True)])  # a copy: loss_sum stays local
     if dist.is_initialized():
         dist.all_reduce(shared)
-    numbers = torch.cat([shared, global_tokens.view(1), local_loss_sum.view(1), local_tokens.view(1),
+    numbers = torch.cat([shared, global_tokens.view(1), loss_sum.view(1), local_tokens.view(1),
                          grad_norm.detach().double().view(1)]).tolist()  # the step's one device sync
     loss_total, stop_flag, tokens, save_failed_flag, total_tokens, local_loss, local_count, grad_norm_value = numbers
     global_loss = loss_total / max(total_tokens, 1.0)
