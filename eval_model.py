@@ -144,7 +144,7 @@ def split_eval_record(record: dict) -> tuple[list[dict], str]:
         raise ValueError("each eval record needs a 'conversations' list ending with the assistant's "
                          "reference answer")
     # The parsed message: a reference written as "<think>...</think>answer" compares by its answer.
-    return conversation[:-1], parse_conversation(conversation).messages[-1].content
+    return conversation[:-1], parse_conversation(conversation).messages[-1]["content"]
 
 
 def evaluate_exact_match(model: CausalLM, tokenizer: Tokenizer, records: list[dict], max_new_tokens: int = 64,

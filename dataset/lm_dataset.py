@@ -28,10 +28,9 @@ from tokenizers import Tokenizer
 from torch.utils.data import Dataset
 
 from dataset.chat_format import ChatEncoder, parse_conversation, render_segments
-from dataset.chat_format import text_only_copy as _text_only_copy
 from dataset.jsonl_file import JsonlFile
 
-from model.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from model.tokenizer import BOS_ID, EOS_ID, PAD_ID, text_only_copy
 
 IGNORE_INDEX = -100  # the default ignore_index of torch.nn.functional.cross_entropy
 # For SFTDataset's optional system-prompt augmentation (minimind adds one to some conversations
@@ -58,7 +57,7 @@ def _check_pretrain_record(record: dict) -> None:
 def _check_sft_record(record: dict) -> None:
     """The checks of dataset/chat_format.parse_conversation, and at least one assistant turn."""
     conversation = parse_conversation(record.get("conversations"))
-    if not any(m.role == "assistant" for m in conversation.messages):
+    if not any(m["role"] == "assistant" for m in conversation.messages):
         raise ValueError("the conversation has no assistant message, so nothing to learn from")
 
 
@@ -79,7 +78,7 @@ class PretrainDataset(Dataset):
 
     def __init__(self, data_path: str | os.PathLike, tokenizer: Tokenizer, max_seq_len: int):
         self.source = JsonlFile.shared(data_path, validate=_check_pretrain_record)
-        self.tokenizer = _text_only_copy(tokenizer)
+        self.tokenizer = text_only_copy(tokenizer)
         self.max_seq_len = max_seq_len
 
     def __len__(self) -> int:

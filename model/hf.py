@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
-from dataset.chat_format import CHAT_TEMPLATE  # the training format, for apply_chat_template
+from model.chat_template import CHAT_TEMPLATE  # the training format, for apply_chat_template
 from model.model import CausalLM, LMConfig
 from model.tokenizer import BOS_ID, BOS_TOKEN, DEFAULT_TOKENIZER, EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS
 

@@ -8,11 +8,13 @@ one with extra special tokens) as long as it has
     <|im_end|>    = 2   the end of both
 
 The model config (eos/pad ids), the datasets and the Hugging Face export all read these ids from
-here, so they are defined once.
+here, so they are defined once. `text_only_copy` gives the datasets a copy that reads those
+tokens' text, written inside the data, as ordinary characters.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -44,3 +46,14 @@ def load_tokenizer(path: str | os.PathLike = DEFAULT_TOKENIZER) -> Tokenizer:
     tokenizer = Tokenizer.from_file(str(path))
     check_special_tokens(tokenizer, path)
     return tokenizer
+
+
+def text_only_copy(tokenizer: Tokenizer) -> Tokenizer:
+    """A copy that reads every added token's text inside data ("<|im_end|>", "<think>") as characters."""
+    config = json.loads(tokenizer.to_str())
+    # `encode_special_tokens` only splits tokens marked special; minimind's `<think>` is an unmarked one.
+    for added in config["added_tokens"]:
+        added["special"] = True
+    copy = Tokenizer.from_str(json.dumps(config))
+    copy.encode_special_tokens = True
+    return copy

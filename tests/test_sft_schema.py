@@ -18,8 +18,9 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerFast
 
 import eval_model
-from dataset.chat_format import CHAT_TEMPLATE, TAGS, render_chat_text, to_template_inputs
+from dataset.chat_format import parse_conversation, render_chat_text
 from dataset.lm_dataset import IGNORE_INDEX, SYSTEM_PROMPTS, SFTDataset
+from model.chat_template import CHAT_TEMPLATE, TAGS
 from model.tokenizer import DEFAULT_TOKENIZER, EOS_ID, PAD_ID, SPECIAL_TOKENS, load_tokenizer
 
 TOOLS = [{"type": "function", "function": {
@@ -223,7 +224,7 @@ def test_a_tokenizer_without_tags_encodes_them_as_text_with_the_same_mask(tmp_pa
 
 def test_transformers_chat_template_renders_the_identical_text(tagged_tokenizer):
     hf = PreTrainedTokenizerFast(tokenizer_object=tagged_tokenizer, chat_template=CHAT_TEMPLATE)
-    messages, tools = to_template_inputs(MESSAGES)
+    messages, tools = parse_conversation(MESSAGES)  # minimind's JSON strings parsed
     assert tools == TOOLS
     assert hf.apply_chat_template(messages, tools=tools, tokenize=False) == EXPECTED_TEXT
     prompt = hf.apply_chat_template(messages[:-1], tools=tools, tokenize=False, add_generation_prompt=True)
@@ -242,7 +243,7 @@ def test_transformers_and_renderer_agree_on_inline_think_and_calls_without_conte
                 {"role": "system", "content": "Be brief."}]
     hf = PreTrainedTokenizerFast(tokenizer_object=tagged_tokenizer, chat_template=CHAT_TEMPLATE)
     text = render_chat_text(messages)
-    assert hf.apply_chat_template(to_template_inputs(messages)[0], tokenize=False) == text
+    assert hf.apply_chat_template(messages, tokenize=False) == text  # the template splits the inline think
     assert "\n\n<tool_call>" in text and "</think>\n\n\n<tool_call>" not in text  # no newline without content
     assert "<think>\nIt said 18.\n</think>\n\n18°C<|im_end|>" in text
     assert text.endswith("<|im_start|>system\nBe brief.<|im_end|>\n")  # a later system message is a turn
