@@ -37,7 +37,8 @@ if __package__ in (None, ""):  # run as a file: the repository, not this folder,
 from model.model import CausalLM, LMConfig
 from model.tokenizer import SPECIAL_TOKENS, load_tokenizer
 from trainer.metrics_files import read_metrics
-from trainer.trainer_utils import REPO_ROOT, flops_per_token
+from trainer.tracking import flops_per_token
+from trainer.trainer_utils import REPO_ROOT
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, input_ids: torch.Tensor,

@@ -39,7 +39,7 @@ if __package__ in (None, ""):  # run as a file: the repository, not this folder,
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from trainer.checkpoint_io import RunFiles, manifest_path
-from trainer.resume import TRAINING_STATE_FIELDS, state_differences
+from scripts.run_files import TRAINING_STATE_FIELDS, state_differences
 from trainer.trainer_utils import REPO_ROOT
 
 # Slows the job down from outside the library (see its docstring).

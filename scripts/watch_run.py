@@ -20,8 +20,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: the repository, not this folder, goes first on the import path
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from trainer.callbacks import format_duration
-from trainer.metrics_files import is_train_record, list_runs, metrics_path, read_metrics, read_status, status_path
+from trainer.tracking import format_duration
+from scripts.run_files import list_runs, read_status
+from trainer.metrics_files import is_train_record, metrics_path, read_metrics, status_path
 
 STALE_AFTER_S = 300  # a running job that has not written for this long may be dead or hung
 BAR_WIDTH = 30

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.resume import TRAINING_STATE_FIELDS, state_differences
+from scripts.run_files import TRAINING_STATE_FIELDS, state_differences
 
 REPO = Path(__file__).resolve().parent.parent
 FAULT_INJECTION_DIR = REPO / "tests" / "fault_injection"
@@ -113,7 +113,8 @@ def history_file(run_dir: Path, step: int, name: str = PRETRAIN_RUN) -> dict:
 
 def status_of(run_dir: Path, name: str = PRETRAIN_RUN) -> dict:
     """The run's `{name}_status.json` under `run_dir/metrics`."""
-    from trainer.metrics_files import read_status, status_path
+    from scripts.run_files import read_status
+    from trainer.metrics_files import status_path
     return read_status(status_path(run_dir / "metrics", name))
 
 

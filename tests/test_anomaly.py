@@ -16,7 +16,7 @@ import torch
 
 from conftest import (events_of, last_record_per_step_and_rank, read_trace, resume_file, run_args, status_of,
                       trace_of, train)
-from trainer.data_order import epoch_order
+from trainer.trainer_utils import epoch_order
 
 
 def job_args(tmp_path, data, *extra) -> list[str]:

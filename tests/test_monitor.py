@@ -12,8 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainer.anomaly import AnomalyDetector, AnomalyGuard, StepAction
-from trainer.metrics_files import STATUS_FIELDS, MetricsFileWriter, is_train_record, read_metrics, read_status
+from trainer.anomaly import AnomalyDetector, AnomalyGuard
+from scripts.run_files import STATUS_FIELDS, read_status
+from trainer.metrics_files import MetricsFileWriter, is_train_record, read_metrics
 
 
 # ---- AnomalyDetector ----
@@ -93,9 +94,9 @@ def test_state_dict_round_trip_keeps_the_statistics():
 def test_guard_state_round_trip_keeps_rollbacks_lr_scale_and_skip_windows():
     guard = AnomalyGuard("rollback", patience=0, max_rollbacks=2, lr_factor=0.5)
     for step, loss in enumerate([2.0, 2.02, 1.98, 2.01, 1.99, 2.0], start=1):
-        assert guard.verdict(step, loss, 1.0, True) == (StepAction.APPLY, "")
+        assert guard.verdict(step, loss, 1.0, True) == ("apply", "")
     action, reason = guard.verdict(7, float("nan"), 1.0, True)
-    assert action == StepAction.ROLLBACK and "non-finite loss nan at step 7" in reason
+    assert action == "rollback" and "non-finite loss nan at step 7" in reason
     guard.plan_rollback(epoch=0, window_start=24)
 
     restored = AnomalyGuard("rollback", patience=0, max_rollbacks=2, lr_factor=0.5)
@@ -106,13 +107,13 @@ def test_guard_state_round_trip_keeps_rollbacks_lr_scale_and_skip_windows():
     guard.plan_rollback(epoch=1, window_start=8)
     restored.plan_rollback(epoch=1, window_start=8)
     # the rollback budget continues where it was: the third bad step stops the run
-    assert restored.verdict(9, float("nan"), 1.0, True)[0] == StepAction.STOP
+    assert restored.verdict(9, float("nan"), 1.0, True)[0] == "stop"
 
 
 # ---- MetricsFileWriter ----
 
 def fake_run(global_step: int, total: int = 20) -> SimpleNamespace:
-    """The two things the writer reads from the loop's RunContext."""
+    """The loop's position: the step, and the steps it has left to the run's end."""
     run = SimpleNamespace(global_step=global_step)
     run.steps_remaining = lambda: total - run.global_step
     return run
@@ -126,21 +127,21 @@ def metrics_at(step: int, loss: float | None = None) -> dict:
 def log_steps(writer: MetricsFileWriter, run: SimpleNamespace, steps: range) -> None:
     for step in steps:
         run.global_step = step
-        writer.on_log(run, metrics_at(step))
+        writer.log(metrics_at(step), total_steps=run.global_step + run.steps_remaining())
 
 
 def test_fresh_run_writes_one_line_per_log_and_a_status_with_the_spec_fields(tmp_path):
     writer, run = MetricsFileWriter(str(tmp_path / "metrics"), "pretrain_32"), fake_run(0)
     (tmp_path / "metrics").mkdir()
     (tmp_path / "metrics" / "pretrain_32_metrics.jsonl").write_text('{"step": 99, "loss": 1}\n')  # an older run
-    writer.on_train_begin(run)
+    writer.begin(run.global_step, run.global_step + run.steps_remaining())
     status = read_status(tmp_path / "metrics" / "pretrain_32_status.json")
     assert set(STATUS_FIELDS) <= set(status)
     assert (status["status"], status["current_step"], status["total_steps"]) == ("running", 0, 20)
     assert status["latest_metrics"] == {} and status["anomaly_detected"] is False and status["anomaly_reason"] is None
     assert re.fullmatch(r"pretrain_32-\d{8}-\d{6}", status["job_id"])
     log_steps(writer, run, range(1, 6))
-    writer.on_validation_end(run, {"step": 5, "val/loss": 2.7})
+    writer.validation(5, 2.7)
 
     records = read_metrics(tmp_path / "metrics" / "pretrain_32_metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 5]
@@ -159,13 +160,13 @@ def test_fresh_run_writes_one_line_per_log_and_a_status_with_the_spec_fields(tmp
 def test_resume_cuts_the_file_back_so_every_step_appears_once_and_keeps_the_job_id(tmp_path):
     first = MetricsFileWriter(str(tmp_path), "run")
     run = fake_run(0)
-    first.on_train_begin(run)
+    first.begin(run.global_step, run.global_step + run.steps_remaining())
     log_steps(first, run, range(1, 11))
-    first.on_train_end(run, "stopped")  # killed at 10, last checkpoint at step 6
+    first.finish("stopped", run.global_step)  # killed at 10, last checkpoint at step 6
     job_id = read_status(tmp_path / "run_status.json")["job_id"]
 
     second = MetricsFileWriter(str(tmp_path), "run")
-    second.on_train_begin(fake_run(6))
+    second.begin(start_step=6, total_steps=20)
     run = fake_run(6)
     log_steps(second, run, range(7, 13))
 
@@ -179,7 +180,7 @@ def test_resume_cuts_the_file_back_so_every_step_appears_once_and_keeps_the_job_
     assert status["resumed_from"] == 6 and status["current_step"] == 12 and status["job_id"] == job_id
     assert status["best_step"] == 12  # best recomputed from the kept steps, then updated
 
-    MetricsFileWriter(str(tmp_path), "run").on_train_begin(fake_run(0))  # a fresh run of the same name
+    MetricsFileWriter(str(tmp_path), "run").begin(start_step=0, total_steps=20)  # a fresh run of the same name
     assert read_status(tmp_path / "run_status.json")["resumed_from"] is None
     assert read_metrics(tmp_path / "run_metrics.jsonl") == []
 
@@ -187,25 +188,25 @@ def test_resume_cuts_the_file_back_so_every_step_appears_once_and_keeps_the_job_
 def test_a_fresh_run_gets_a_new_job_id(tmp_path, monkeypatch):
     clock = [1_700_000_000.0]
     monkeypatch.setattr(time, "time", lambda: clock[0])
-    MetricsFileWriter(str(tmp_path), "run").on_train_begin(fake_run(0))
+    MetricsFileWriter(str(tmp_path), "run").begin(start_step=0, total_steps=20)
     assert read_status(tmp_path / "run_status.json")["job_id"] == "run-20231114-221320"
     clock[0] += 61
-    MetricsFileWriter(str(tmp_path), "run").on_train_begin(fake_run(0))
+    MetricsFileWriter(str(tmp_path), "run").begin(start_step=0, total_steps=20)
     assert read_status(tmp_path / "run_status.json")["job_id"] == "run-20231114-221421"
 
 
 def test_status_goes_running_then_completed_and_records_anomalies(tmp_path):
     writer, run = MetricsFileWriter(str(tmp_path), "run"), fake_run(0, total=3)
-    writer.on_train_begin(run)
+    writer.begin(run.global_step, run.global_step + run.steps_remaining())
     assert read_status(tmp_path / "run_status.json")["status"] == "running"
     log_steps(writer, run, range(1, 3))
     reason = "loss spike at step 2: 9.0 > 3.1"
-    writer.on_anomaly(run, 2, reason)
+    writer.anomaly(2, reason)
     status = read_status(tmp_path / "run_status.json")
     assert status["status"] == "running"
     assert (status["anomaly_detected"], status["anomaly_reason"], status["anomaly_step"]) == (True, reason, 2)
     log_steps(writer, run, range(3, 4))
-    writer.on_train_end(run, "completed")
+    writer.finish("completed", run.global_step)
     status = read_status(tmp_path / "run_status.json")
     assert (status["status"], status["current_step"], status["total_steps"]) == ("completed", 3, 3)
     assert status["anomaly_detected"] is True  # still known at the end of the run
@@ -215,11 +216,11 @@ def test_status_goes_running_then_completed_and_records_anomalies(tmp_path):
 
 def test_a_resumed_run_still_reports_the_anomaly_of_an_earlier_invocation(tmp_path):
     writer, run = MetricsFileWriter(str(tmp_path), "run"), fake_run(0)
-    writer.on_train_begin(run)
+    writer.begin(run.global_step, run.global_step + run.steps_remaining())
     log_steps(writer, run, range(1, 5))
-    writer.on_anomaly(run, 3, "loss spike at step 3")
-    writer.on_train_end(run, "stopped")
-    MetricsFileWriter(str(tmp_path), "run").on_train_begin(fake_run(4))
+    writer.anomaly(3, "loss spike at step 3")
+    writer.finish("stopped", run.global_step)
+    MetricsFileWriter(str(tmp_path), "run").begin(start_step=4, total_steps=20)
     status = read_status(tmp_path / "run_status.json")
     assert (status["anomaly_detected"], status["anomaly_reason"], status["anomaly_step"]) == (
         True, "loss spike at step 3", 3)
@@ -227,9 +228,9 @@ def test_a_resumed_run_still_reports_the_anomaly_of_an_earlier_invocation(tmp_pa
 
 def test_unknown_end_status_is_refused(tmp_path):
     writer, run = MetricsFileWriter(str(tmp_path), "run"), fake_run(0)
-    writer.on_train_begin(run)
+    writer.begin(run.global_step, run.global_step + run.steps_remaining())
     with pytest.raises(ValueError, match="unknown run status"):
-        writer.on_train_end(run, "finished")
+        writer.finish("finished", run.global_step)
 
 
 def test_a_status_file_without_the_spec_fields_is_refused_naming_them(tmp_path):
@@ -243,7 +244,7 @@ def test_a_status_file_without_the_spec_fields_is_refused_naming_them(tmp_path):
 def test_status_file_is_always_valid_json_while_being_rewritten(tmp_path):
     """A reader polling the status file while the writer rewrites it never sees a partial file."""
     writer, run = MetricsFileWriter(str(tmp_path), "run"), fake_run(0, total=10_000)
-    writer.on_train_begin(run)
+    writer.begin(run.global_step, run.global_step + run.steps_remaining())
     path, stop, reads, problems = tmp_path / "run_status.json", threading.Event(), [0], []
 
     def poll() -> None:
@@ -267,11 +268,11 @@ def test_status_file_is_always_valid_json_while_being_rewritten(tmp_path):
 
 def test_rollback_cuts_back_the_metrics_but_keeps_the_anomaly_that_caused_it(tmp_path):
     writer, run = MetricsFileWriter(str(tmp_path), "run"), fake_run(0)
-    writer.on_train_begin(run)
+    writer.begin(run.global_step, run.global_step + run.steps_remaining())
     log_steps(writer, run, range(1, 7))
-    writer.on_anomaly(run, 7, "non-finite loss nan at step 7")
+    writer.anomaly(7, "non-finite loss nan at step 7")
     run.global_step = 4  # the checkpoint the loop rolled back to
-    writer.on_rollback(run, 4)
+    writer.rollback(4, total_steps=4 + run.steps_remaining())
     assert read_status(tmp_path / "run_status.json")["current_step"] == 4
     log_steps(writer, run, range(5, 9))
     records = read_metrics(tmp_path / "run_metrics.jsonl")
@@ -281,6 +282,6 @@ def test_rollback_cuts_back_the_metrics_but_keeps_the_anomaly_that_caused_it(tmp
     assert events == [("anomaly", 7), ("rollback", 4)]
     status = read_status(tmp_path / "run_status.json")
     assert status["anomaly_step"] == 7 and status["anomaly_reason"] == "non-finite loss nan at step 7"
-    writer.on_log(run, metrics_at(9, loss=float("nan")))  # written as null: strict JSON stays valid
+    writer.log(metrics_at(9, loss=float("nan")), total_steps=20)  # written as null: strict JSON stays valid
     assert json.loads((tmp_path / "run_metrics.jsonl").read_text().splitlines()[-1])["loss"] is None
     assert read_status(tmp_path / "run_status.json")["latest_metrics"]["loss"] is None

@@ -16,7 +16,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from conftest import REPO, child_env, train
-from dataset.chat_format import TAGS
+from model.chat_template import TAGS
 from model.tokenizer import SPECIAL_TOKENS
 
 VOCAB = 6400
@@ -75,10 +75,9 @@ def big_tokenizer_id(path: Path, token: str) -> int:
     return Tokenizer.from_file(str(path)).token_to_id(token)
 
 
-def test_the_names_minimind_readers_look_for_import_from_trainer_utils():
-    from trainer.data_order import SkipBatchSampler
-    from trainer.trainer_utils import SkipBatchSampler as reexported, lm_checkpoint
-    assert reexported is SkipBatchSampler and callable(lm_checkpoint)
+def test_the_names_minimind_readers_look_for_live_in_trainer_utils():
+    from trainer.trainer_utils import SkipBatchSampler, lm_checkpoint
+    assert SkipBatchSampler.__module__ == lm_checkpoint.__module__ == "trainer.trainer_utils"
 
 
 # ---- a user's mistake: one message, exit code 2, no traceback -------------------------------------
@@ -102,7 +101,7 @@ def test_a_bad_data_line_is_one_message_naming_file_and_line(tmp_path, pretrain_
         expect_user_error(result, message)
     else:  # every rank stops with the message; the traceback torchrun prints is its own, not ours
         assert result.returncode != 0 and message in result.stderr
-        assert "train_loop.py" not in result.stderr and "jsonl_file.py" not in result.stderr
+        assert "trainer_utils.py" not in result.stderr and "jsonl_file.py" not in result.stderr
 
 
 def test_weights_that_do_not_fit_the_flags_are_one_message_naming_both_shapes(tmp_path, pretrain_data, sft_data):

@@ -6,34 +6,31 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 from conftest import REPO, child_env
 from scripts.plot_metrics import plot_metrics
 from scripts.watch_run import render_summary
-from trainer.metrics_files import STATUS_FIELDS, MetricsFileWriter, read_metrics
+from scripts.run_files import STATUS_FIELDS
+from trainer.metrics_files import MetricsFileWriter, read_metrics
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def write_run(metrics_dir: Path, name: str, resume_at: int | None = None, last_step: int = 12) -> None:
     """A run through the real writer: logs every step, validates every 4, optionally resumes once."""
-    run = SimpleNamespace(global_step=0)
-    run.steps_remaining = lambda: 40 - run.global_step
     writer = MetricsFileWriter(str(metrics_dir), name)
-    writer.on_train_begin(run)
+    writer.begin(start_step=0, total_steps=40)
     for step in range(1, last_step + 1):
         if step == resume_at:  # the first invocation died; a new one starts from the checkpoint before it
-            writer.on_train_end(run, "failed")
-            writer, run.global_step = MetricsFileWriter(str(metrics_dir), name), step - 1
-            writer.on_train_begin(run)
-        run.global_step = step
-        writer.on_log(run, {"step": step, "epoch": 0, "samples_consumed": 4 * step, "loss": 4.0 / step ** 0.5,
-                            "lr": 1e-3 * min(step / 4, 1.0), "grad_norm": 1.0 + 0.1 * step,
-                            "tokens_per_s": 2500.0, "eta_s": 75.0})
+            writer.finish("failed", step - 1)
+            writer = MetricsFileWriter(str(metrics_dir), name)
+            writer.begin(start_step=step - 1, total_steps=40)
+        writer.log({"step": step, "epoch": 0, "samples_consumed": 4 * step, "loss": 4.0 / step ** 0.5,
+                    "lr": 1e-3 * min(step / 4, 1.0), "grad_norm": 1.0 + 0.1 * step,
+                    "tokens_per_s": 2500.0, "eta_s": 75.0}, total_steps=40)
         if step % 4 == 0:
-            writer.on_validation_end(run, {"step": step, "val/loss": 4.2 / step ** 0.5})
+            writer.validation(step, 4.2 / step ** 0.5)
 
 
 def run_script(module: str, *args: str) -> subprocess.CompletedProcess:

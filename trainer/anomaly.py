@@ -6,11 +6,11 @@ step, before the optimizer touches the weights, the loop asks the guard about th
 loss and grad norm. All ranks see the same two numbers (the loss is reduced over ranks, the
 gradient is already synchronized), so all ranks reach the same action without talking:
 
-    APPLY     the step is fine (or only worth a warning): take it
-    SKIP      non-finite under --on_anomaly warn: drop this update, keep training
-    STOP      --on_anomaly stop: drop the update, exit non-zero with the reason
-    ROLLBACK  --on_anomaly rollback: drop the update, reload the last good checkpoint, and
-              step over this batch window when training reaches it again
+    "apply"     the step is fine (or only worth a warning): take it
+    "skip"      non-finite under --on_anomaly warn: drop this update, keep training
+    "stop"      --on_anomaly stop: drop the update, exit non-zero with the reason
+    "rollback"  --on_anomaly rollback: drop the update, reload the last good checkpoint, and
+                step over this batch window when training reaches it again
 
 A non-finite step is never applied, whatever the policy. The guard's memory (the detector's
 history, rollbacks made, windows to skip) is saved in every checkpoint, so a resume keeps it.
@@ -19,19 +19,11 @@ history, rollbacks made, windows to skip) is saved in every checkpoint, so a res
 
 from __future__ import annotations
 
-import enum
 import math
 import statistics
 from collections import deque
 
 import torch
-
-
-class StepAction(enum.Enum):
-    APPLY = "apply"
-    SKIP = "skip"
-    STOP = "stop"
-    ROLLBACK = "rollback"
 
 
 class AnomalyStop(RuntimeError):
@@ -181,23 +173,22 @@ class AnomalyGuard:
         self.lr_scale = 1.0
         self.skip_windows: set[tuple[int, int]] = set()  # (epoch, cursor at the window's start)
 
-    def verdict(self, step: int, loss: float, grad_norm: float,
-                gradients_finite_expected: bool) -> tuple[StepAction, str]:
+    def verdict(self, step: int, loss: float, grad_norm: float, gradients_finite_expected: bool) -> tuple[str, str]:
         """(action, reason). `gradients_finite_expected` is False under fp16 GradScaler, where an
         inf gradient is routine (the scaler skips that step and lowers its scale by itself)."""
         if not gradients_finite_expected and math.isfinite(loss) and not math.isfinite(grad_norm):
-            return StepAction.APPLY, ""
+            return "apply", ""
         reason = self.detector.check(step, loss, grad_norm)
         if reason is None:
-            return StepAction.APPLY, ""
+            return "apply", ""
         non_finite = not (math.isfinite(loss) and math.isfinite(grad_norm))
         if self.policy == "warn":
-            return (StepAction.SKIP if non_finite else StepAction.APPLY), reason
+            return ("skip" if non_finite else "apply"), reason
         if self.policy == "rollback" and reason.startswith("plateau"):
-            return StepAction.STOP, reason + " (rolling back cannot cure a plateau)"
+            return "stop", reason + " (rolling back cannot cure a plateau)"
         if self.policy == "rollback" and self.rollbacks >= self.max_rollbacks:
-            return StepAction.STOP, f"{reason}; giving up after {self.rollbacks} rollbacks (--max_rollbacks)"
-        return StepAction(self.policy), reason
+            return "stop", f"{reason}; giving up after {self.rollbacks} rollbacks (--max_rollbacks)"
+        return self.policy, reason  # "stop" or "rollback"
 
     def plan_rollback(self, epoch: int, window_start: int) -> None:
         self.rollbacks += 1

@@ -1,20 +1,18 @@
 """Saving without stopping: copy the training state to CPU memory, write the files in a thread.
 
-On a GPU a step takes milliseconds and writing a checkpoint takes seconds (hundreds of MB through
+On a GPU a step takes milliseconds and writing a checkpoint seconds (hundreds of MB through
 torch.save, fsync, hashing). So a save is split in two:
 
-1. `StateSnapshot.take` (blocks training): copy every tensor of the resume state into CPU buffers
-   that are allocated once and reused, pinned on CUDA so the copies run at full PCIe speed. After
-   it returns, training may change the weights and optimizer moments in place: the copy is ours.
-2. `BackgroundSaver.submit` (does not block): a thread writes the files from the copy with the same
-   function the synchronous path uses, so the file format and the durability protocol of
-   checkpoint_io (temp file, fsync, rename, manifest, link, rotation) are one piece of code.
+1. The copy (blocks training): every tensor of the resume state goes into CPU buffers allocated
+   once and reused, pinned on CUDA so the copies run at full PCIe speed. After it, training may
+   change the weights and optimizer moments in place: the copy is ours.
+2. The write (does not block): a thread writes the files from the copy with the same function a
+   synchronous save uses, so the format and the durability protocol are one piece of code.
 
 At most one save is in flight: the next save, the end of training, a stop, a rollback and every
-exit path call `wait()` first. `kill -9` during a background write is the same as during a
-synchronous one: the new checkpoint is either complete and manifested, or invisible to resume.
-A failed write is kept in `error` and re-raised by `wait()`; the loop also checks `failed` at every
-step boundary so all ranks stop together with the message.
+exit path wait for it first. `kill -9` during a background write is the same as during a synchronous
+one: the new checkpoint is either complete and manifested, or invisible to resume. A failed write is
+kept and re-raised by `wait()`; the loop checks `failed` at every step so all ranks stop together.
 """
 
 from __future__ import annotations
@@ -28,51 +26,12 @@ import torch.distributed as dist
 from trainer.checkpoint_io import CheckpointError
 
 
-class StateSnapshot:
-    """CPU copies of a nested state (dicts, lists, tensors, plain values), reused between saves."""
-
-    def __init__(self, pin_memory: bool):
-        self.pin_memory = pin_memory
-        self.buffers: dict[str, torch.Tensor] = {}
-
-    def take(self, state):
-        """A copy of `state` whose tensors live in this snapshot's CPU buffers.
-
-        Tensors that share storage (the tied embedding and lm_head) stay shared in the copy, so the
-        files still hold them once.
-        """
-        copies: dict[tuple, torch.Tensor] = {}
-        snapshot = self._copy(state, "", copies)
-        if any(key[3].type == "cuda" for key in copies):
-            torch.cuda.synchronize()  # the non-blocking copies must land before the writer reads them
-        return snapshot
-
-    def _copy(self, value, path: str, copies: dict):
-        if isinstance(value, torch.Tensor):
-            key = (value.data_ptr(), value.dtype, tuple(value.shape), value.device)
-            if key not in copies:
-                copies[key] = self._buffer(path, value).copy_(value.detach(), non_blocking=True)
-            return copies[key]
-        if isinstance(value, dict):
-            return {k: self._copy(v, f"{path}/{k}", copies) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(self._copy(v, f"{path}/{i}", copies) for i, v in enumerate(value))
-        return value
-
-    def _buffer(self, path: str, like: torch.Tensor) -> torch.Tensor:
-        buffer = self.buffers.get(path)
-        if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
-            buffer = torch.empty(like.shape, dtype=like.dtype, device="cpu",
-                                 pin_memory=self.pin_memory and like.is_cuda)
-            self.buffers[path] = buffer
-        return buffer
-
-
 class BackgroundSaver:
-    """Runs one write job at a time in a thread; remembers the first failure."""
+    """Copies a state to reused CPU buffers, then writes it: in a thread when `background`, else at once."""
 
-    def __init__(self, pin_memory: bool):
-        self.snapshot = StateSnapshot(pin_memory)  # the CPU buffers the next save copies into
+    def __init__(self, background: bool, pin_memory: bool):
+        self.background, self.pin_memory = background, pin_memory
+        self.buffers: dict[str, torch.Tensor] = {}
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
 
@@ -80,10 +39,14 @@ class BackgroundSaver:
     def failed(self) -> bool:
         return self.error is not None
 
-    def submit(self, write: Callable[[], None]) -> None:
-        """Start `write()` in the background, after the previous one has finished."""
-        self.wait()
-        self.thread = threading.Thread(target=self._run, args=(write,), name="checkpoint-writer", daemon=True)
+    def submit(self, state: dict, write: Callable[[dict], None]) -> None:
+        """Copy `state` to CPU memory, then `write(copy)` (in the background, after the previous write)."""
+        self.wait()  # at most one save in flight: its buffers are about to be reused
+        copy = self.snapshot(state)
+        if not self.background:
+            write(copy)
+            return
+        self.thread = threading.Thread(target=self._run, args=(write, copy), name="checkpoint-writer", daemon=True)
         self.thread.start()
 
     def wait(self, raise_error: bool = True) -> None:
@@ -94,24 +57,64 @@ class BackgroundSaver:
         if self.error is not None and raise_error:
             raise self.error
 
-    def _run(self, write: Callable[[], None]) -> None:
+    def __enter__(self) -> "BackgroundSaver":
+        return self
+
+    def __exit__(self, error_type, error, traceback) -> None:
+        if error is not None:  # let the write in flight complete; the error at hand is what we report
+            self.wait(raise_error=False)
+
+    def _run(self, write: Callable[[dict], None], copy: dict) -> None:
         try:
-            write()
+            write(copy)
         except BaseException as error:  # kept for wait(); the training thread decides what happens
             self.error = error
 
+    def snapshot(self, state):
+        """A copy of `state` whose tensors live in this saver's CPU buffers.
 
-def finish_saves(saver: BackgroundSaver | None) -> None:
+        Tensors that share storage (the tied embedding and lm_head) stay shared in the copy, so the
+        files still hold them once.
+        """
+        copies: dict[tuple, torch.Tensor] = {}
+        saw_cuda = [False]
+
+        def copy(value, path: str):
+            if isinstance(value, torch.Tensor):
+                key = (value.data_ptr(), value.dtype, tuple(value.shape), value.device)
+                if key not in copies:
+                    saw_cuda[0] |= value.is_cuda
+                    copies[key] = self._buffer(path, value).copy_(value.detach(), non_blocking=True)
+                return copies[key]
+            if isinstance(value, dict):
+                return {k: copy(v, f"{path}/{k}") for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return type(value)(copy(v, f"{path}/{i}") for i, v in enumerate(value))
+            return value
+
+        snapshot = copy(state, "")
+        if saw_cuda[0]:
+            torch.cuda.synchronize()  # the non-blocking copies must land before the writer reads them
+        return snapshot
+
+    def _buffer(self, path: str, like: torch.Tensor) -> torch.Tensor:
+        buffer = self.buffers.get(path)
+        if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
+            buffer = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=self.pin_memory and like.is_cuda)
+            self.buffers[path] = buffer
+        return buffer
+
+
+def finish_saves(saver: BackgroundSaver) -> None:
     """Wait for the save in flight; if it failed, every rank raises (rank 0 with the writer's error).
 
-    Call it on every rank (`saver` is None except on rank 0 with background saves).
+    Call it on every rank: only rank 0 writes, the others learn from it whether that worked.
     """
     error = None
-    if saver is not None:
-        try:
-            saver.wait()
-        except Exception as caught:  # re-raised below, after the other ranks know
-            error = caught
+    try:
+        saver.wait()
+    except Exception as caught:  # re-raised below, after the other ranks know
+        error = caught
     failed = [error is not None]
     if dist.is_initialized():
         dist.broadcast_object_list(failed, src=0)

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 HISTORY_NAME = re.compile(r"^step_(\d{8})\.pth$")
 
@@ -160,6 +161,10 @@ def save_verified(files: RunFiles, state: dict, step: int, keep_last: int, info:
         manifest = {"file": path.name, "size": size, "sha256": sha, "step": step, **info}
         atomic_write_text(manifest_path(path), json.dumps(manifest, indent=1) + "\n")
         check_written(path, size)
+        aside = set_aside_unmanaged_resume_file(files)
+        if aside is not None:
+            print(f"kept {files.resume_link.name}, which this project's checkpoints do not account for, as "
+                  f"{aside} (this save writes {files.resume_link.name})", flush=True)
         link_tmp = files.resume_link.with_name(files.resume_link.name + ".tmp")
         link_tmp.unlink(missing_ok=True)
         os.link(path, link_tmp)  # no second copy on disk: both names share the same bytes
@@ -305,3 +310,67 @@ def newest_good_checkpoint(files: RunFiles, log: Callable[[str], None]) -> tuple
         tried.append(f"{path}: {problem}")
         log(f"skipping checkpoint {path}: {problem}")
     raise CheckpointError("no usable checkpoint; tried:\n  " + "\n  ".join(tried))
+
+
+# ---- what lm_checkpoint calls ------------------------------------------------------------------
+
+def cast_state_dict(state_dict: dict, dtype: torch.dtype) -> dict:
+    """CPU copies in `dtype` that keep tied tensors tied (embedding = lm_head), so files hold them once."""
+    converted = {}
+    return {name: converted.setdefault(t.data_ptr(), t.detach().to("cpu", dtype)) for name, t in state_dict.items()}
+
+
+def write_checkpoint_files(files: RunFiles, out_path: Path, state: dict, keep_last: int, info: dict) -> None:
+    """Write `out/{run}.pth` (FP16 weights) and the verified resume checkpoint, from a CPU copy of the state."""
+    weights = cast_state_dict(state["model"], torch.float16)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        atomic_write(out_path, lambda f: torch.save(weights, f))
+    except OSError as error:
+        raise CheckpointError(f"could not write {out_path}: {error}") from error
+    save_verified(files, state, info["global_step"], keep_last, info)
+
+
+def load_newest(files: RunFiles, resume_path: str | None, log: Callable[[str], None]) -> dict | None:
+    """The state of the newest good checkpoint (or `resume_path`'s); None when the run has none.
+
+    Rank 0 picks and verifies the file and shares its choice; every rank then loads that file.
+    """
+    choice, state = [None], None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        choice[0], state = _choose_checkpoint(files, resume_path, log)
+    if dist.is_initialized():
+        dist.broadcast_object_list(choice, src=0)
+    if choice[0] is None:
+        return None
+    if state is None:  # the other ranks read the file rank 0 chose and verified
+        state = load_trusted(Path(choice[0]))
+    state["resumed_from"] = choice[0]
+    return state
+
+
+def _choose_checkpoint(files: RunFiles, resume_path: str | None, log) -> tuple[str | None, dict | None]:
+    """(path, loaded state) of the checkpoint to resume; (None, None) when there is nothing."""
+    if resume_path is None:
+        found = newest_good_checkpoint(files, log)
+        if found is None and files.resume_link.is_file():  # a lone file: copied here, or minimind's
+            log(f"{files.resume_link} has no manifest, so its bytes could not be checksum-verified; "
+                f"loading it with weights_only=True")
+            return str(files.resume_link), load_trusted(files.resume_link)
+        return (None, None) if found is None else (str(found[0]), found[1])
+    path = Path(resume_path)
+    problem = verify(path)
+    if problem:
+        raise CheckpointError(f"--resume_path {path} cannot be trusted: {problem}")
+    newer = [p for p in files.history() if p.name > path.name]
+    if newer and path.parent.resolve() == files.history_dir.resolve():
+        # Set newer checkpoints aside (not deleted): otherwise a later --from_resume 1 would jump
+        # back to the abandoned future instead of continuing this branch of the run.
+        aside = files.history_dir / f"discarded_after_{path.stem}"
+        aside.mkdir(exist_ok=True)
+        for p in newer:
+            for f in (p, manifest_path(p)):
+                if f.exists():
+                    os.replace(f, aside / f.name)
+        log(f"resuming from {path}; moved the newer checkpoints {', '.join(p.name for p in newer)} to {aside}")
+    return str(path), load_trusted(path)

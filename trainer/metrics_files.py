@@ -1,6 +1,6 @@
 """Watching a run from outside: a metrics file and a status file.
 
-`MetricsFileWriter` is a callback that leaves two plain files per run in a metrics directory:
+`MetricsFileWriter` leaves two plain files per run in a metrics directory:
 
     {metrics_dir}/{run}_metrics.jsonl   one JSON line per log step, validation and event
     {metrics_dir}/{run}_status.json     one small JSON object: status, progress, latest numbers
@@ -37,15 +37,10 @@ import time
 from pathlib import Path
 from typing import IO
 
-from trainer.callbacks import TrainerCallback
-
 RUN_STATES = ("running", "completed", "stopped", "failed")
-# The fields every status file has (see the module docstring); readers may check for them.
-STATUS_FIELDS = ("job_id", "status", "current_step", "total_steps", "anomaly_detected", "anomaly_reason",
-                 "latest_metrics")
 
 
-# ---- file names and readers (used by the writer, the watch script and the plot script) ----
+# ---- file names, and the reader the writer uses to cut its file back on resume ----
 
 def metrics_path(metrics_dir: str | Path, run_name: str) -> Path:
     return Path(metrics_dir) / f"{run_name}_metrics.jsonl"
@@ -53,12 +48,6 @@ def metrics_path(metrics_dir: str | Path, run_name: str) -> Path:
 
 def status_path(metrics_dir: str | Path, run_name: str) -> Path:
     return Path(metrics_dir) / f"{run_name}_status.json"
-
-
-def list_runs(metrics_dir: str | Path) -> list[str]:
-    """Names of the runs that have a status file in `metrics_dir`, sorted."""
-    suffix = "_status.json"
-    return sorted(p.name[:-len(suffix)] for p in Path(metrics_dir).glob(f"*{suffix}"))
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -81,26 +70,12 @@ def read_metrics(path: str | Path) -> list[dict]:
     return records
 
 
-def read_status(path: str | Path) -> dict:
-    """The status object; the file is replaced atomically, so a read never sees half of it.
-
-    Raises ValueError naming the file and the missing fields if it lacks any of STATUS_FIELDS
-    (a file written by an older version of the trainer, or not by the trainer at all).
-    """
-    status = json.loads(Path(path).read_text(encoding="utf-8"))
-    missing = [name for name in STATUS_FIELDS if name not in status]
-    if missing:
-        raise ValueError(f"{path}: not a status file of this trainer, missing {', '.join(missing)}. "
-                         f"Rerun (or resume) the run with this version to rewrite it.")
-    return status
-
+# ---- the writer ----
 
 def is_train_record(record: dict) -> bool:
     """A training log line (not a validation result or an event such as a resume)."""
     return "event" not in record and "loss" in record and "step" in record
 
-
-# ---- the callback ----
 
 def finite_or_null(value):
     """NaN/inf as null: strict JSON readers (jq, browsers) reject Python's NaN literal."""
@@ -113,11 +88,10 @@ def finite_or_null(value):
     return value
 
 
-class MetricsFileWriter(TrainerCallback):
+class MetricsFileWriter:
     """Writes `{run_name}_metrics.jsonl` and `{run_name}_status.json` under `metrics_dir`.
 
-    Add it on rank 0 only: one writer per file. From the run it reads `run.global_step` and
-    `run.steps_remaining()`; everything else comes from the metrics dicts the loop passes.
+    Made on rank 0 only (one writer per file) by tracking.Tracker, which calls its methods.
     """
 
     def __init__(self, metrics_dir: str, run_name: str):
@@ -127,11 +101,9 @@ class MetricsFileWriter(TrainerCallback):
         self.file: IO[str] | None = None
         self.status: dict = {}
 
-    # -- events --
-
-    def on_train_begin(self, run) -> None:
+    def begin(self, start_step: int, total_steps: int) -> None:
+        """A fresh run starts fresh files; a resumed one cuts its metrics back to `start_step`."""
         self.metrics_file.parent.mkdir(parents=True, exist_ok=True)
-        start_step = run.global_step
         now = time.time()
         kept: list[dict] = []
         job_id = None
@@ -147,7 +119,7 @@ class MetricsFileWriter(TrainerCallback):
         self.status = {
             "job_id": job_id or f"{self.run_name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime(now))}",
             "run_name": self.run_name, "status": "running", "current_step": start_step,
-            "total_steps": start_step + run.steps_remaining(),
+            "total_steps": total_steps,
             "epoch": train[-1]["epoch"] if train else None,
             "anomaly_detected": bool(anomalies),
             "anomaly_reason": anomalies[-1]["reason"] if anomalies else None,
@@ -163,7 +135,7 @@ class MetricsFileWriter(TrainerCallback):
             self._append({"event": "resume", "step": start_step, "timestamp": now})
         self._write_status()
 
-    def on_log(self, run, metrics: dict) -> None:
+    def log(self, metrics: dict, total_steps: int) -> None:
         record = {**metrics, "timestamp": time.time()}
         self._append(record)
         loss = metrics.get("loss")
@@ -171,39 +143,37 @@ class MetricsFileWriter(TrainerCallback):
         if loss is not None and math.isfinite(loss) and (best is None or loss < best):
             self.status["best_loss"], self.status["best_step"] = loss, metrics["step"]
         self.status.update(current_step=metrics["step"], epoch=metrics.get("epoch"), latest_metrics=record,
-                           total_steps=run.global_step + run.steps_remaining())
+                           total_steps=total_steps)
         self._write_status()
 
-    def on_validation_end(self, run, metrics: dict) -> None:
-        record = {"step": metrics["step"], "val/loss": metrics["val/loss"], "timestamp": time.time()}
+    def validation(self, step: int, loss: float) -> None:
+        record = {"step": step, "val/loss": loss, "timestamp": time.time()}
         self._append(record)
         self.status["latest_val"] = record
         self._write_status()
 
-    def on_anomaly(self, run, step: int, reason: str) -> None:
+    def anomaly(self, step: int, reason: str) -> None:
         self.status.update(anomaly_detected=True, anomaly_reason=reason, anomaly_step=step)
         self._append({"event": "anomaly", "step": step, "reason": reason, "timestamp": time.time()})
         self._write_status()
 
-    def on_rollback(self, run, step: int) -> None:
+    def rollback(self, step: int, total_steps: int) -> None:
         """Back at checkpoint `step`: later records will be logged again, but the anomaly stays."""
         self._cut_back_to(step)
         self.file.close()
         self.file = open(self.metrics_file, "a", encoding="utf-8")
         self._append({"event": "rollback", "step": step, "timestamp": time.time()})
-        self.status.update(current_step=step, total_steps=step + run.steps_remaining())
+        self.status.update(current_step=step, total_steps=total_steps)
         self._write_status()
 
-    def on_train_end(self, run, status: str) -> None:
+    def finish(self, status: str, step: int) -> None:
         if status not in RUN_STATES:
             raise ValueError(f"unknown run status {status!r}; expected one of {RUN_STATES}")
-        self.status.update(status=status, current_step=run.global_step)
+        self.status.update(status=status, current_step=step)
         self._write_status()
         if self.file is not None:
             self.file.close()
             self.file = None
-
-    # -- helpers --
 
     def _cut_back_to(self, step: int) -> list[dict]:
         """Keep only records up to `step` (the checkpoint we resume from); returns what was kept.

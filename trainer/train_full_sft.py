@@ -1,45 +1,295 @@
-"""Supervised fine-tuning: teach a pretrained model to answer in the ChatML chat format.
+"""Supervised fine-tuning: teach a pretrained model to answer in minimind's chat format.
 
-Loss is computed only on the assistant's tokens. Starts from out/pretrain_{hidden}.pth by
-default (a missing or mismatching file is an error, never a silent random start).
+The loss covers only the assistant's tokens. Starts from out/pretrain_{hidden}.pth by default (a
+missing or mismatching file is an error, never a silent random start). Run it from a plain clone:
 
-    python trainer/train_full_sft.py
-    torchrun --nproc_per_node 2 trainer/train_full_sft.py
+    python trainer/train_full_sft.py                                # one process (CPU or one GPU)
+    torchrun --nproc_per_node 2 trainer/train_full_sft.py           # 2 GPUs (or 2 CPU ranks) on one node
+    torchrun --nnodes 2 --node_rank 0 --nproc_per_node 8 \\
+        --rdzv_backend c10d --rdzv_endpoint HOST:29500 trainer/train_full_sft.py   # node 0 of 2
     ... --from_resume 1                                             # continue, also on another GPU count
 
-Writes out/full_sft_{hidden}.pth and checkpoints/full_sft_{hidden}_*. The loop is shared with
-pretraining and lives in trainer/train_loop.py.
+Writes out/full_sft_{hidden}.pth (FP16) and checkpoints/ (the resume state). The whole training is
+in this file, in numbered sections; trainer/trainer_utils.py holds what it calls (the sampler, the
+LR, lm_checkpoint). It is train_pretrain.py with the lines marked `# stage` changed, and a test
+holds the two to that.
 """
 
+import argparse
+import math
 import sys
+import time
+from contextlib import nullcontext
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: the repository, not this folder, goes first on the import path
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from dataset.lm_dataset import SFTDataset
-from trainer.train_loop import run_training
-from trainer.flags import build_arg_parser
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+
+from dataset.lm_dataset import SFTDataset  # stage
+from model.hf import export_hf
+from model.tokenizer import load_tokenizer
+from trainer.anomaly import AnomalyGuard, AnomalyStop, install_debug_injection
+from trainer.background_save import BackgroundSaver, finish_saves
+from trainer.resume_checks import data_fingerprint, resume_settings
+from trainer.stopping import StopRequest, continue_command
+from trainer.tracking import Tracker, flops_per_token
+from trainer.trainer_utils import (REPO_ROOT, IndexedDataset, Logger, SkipBatchSampler, add_operator_flags,
+                                   cleanup_distributed, epoch_order, get_lr, init_distributed, init_model,
+                                   lm_checkpoint, model_config, resolve_accumulation, restore_training_state,
+                                   run_name, run_script, setup_seed, step_in_epoch, step_numbers, steps_left,
+                                   unwrap, validation_loss)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    a = parser.add_argument
+    a("--data_path", default=str(REPO_ROOT / "dataset" / "sft_demo.jsonl"), help="JSONL training data")  # stage
+    a("--save_dir", default=str(REPO_ROOT / "out"), help="where the FP16 inference weights go")
+    a("--checkpoint_dir", default=str(REPO_ROOT / "checkpoints"), help="where the resume state goes")
+    a("--save_weight", default="full_sft", help="name prefix of the saved files")  # stage
+    a("--from_weight", default="pretrain", help="'none' or a weight name in --save_dir to start from")  # stage
+    a("--from_resume", type=int, default=0, choices=(0, 1), help="1: continue from the newest good checkpoint")
+    a("--epochs", type=int, default=2)  # stage
+    a("--batch_size", type=int, default=32, help="micro-batch per rank")
+    a("--accumulation_steps", type=int, default=1)
+    a("--global_batch_size", type=int, default=None,
+      help="samples per optimizer step; derives accumulation_steps and keeps steps identical on any GPU count")
+    a("--learning_rate", type=float, default=5e-5)  # stage
+    a("--warmup_ratio", type=float, default=0.01)
+    a("--max_seq_len", type=int, default=340)
+    a("--hidden_size", type=int, default=512)
+    a("--num_hidden_layers", type=int, default=8)
+    a("--num_attention_heads", type=int, default=8)
+    a("--num_key_value_heads", type=int, default=4)
+    a("--use_moe", type=int, default=0, choices=(0, 1))
+    a("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+      help="autocast dtype on CUDA (CPU always trains in float32)")
+    a("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a("--num_workers", type=int, default=1)
+    a("--grad_clip", type=float, default=1.0)
+    a("--log_interval", type=int, default=10, help="optimizer steps between log lines")
+    a("--save_interval", type=int, default=100, help="optimizer steps between checkpoints")
+    a("--max_steps", type=int, default=None, help="stop (and save) after this many steps of this invocation")
+    a("--seed", type=int, default=42)
+    a("--use_compile", type=int, default=0, choices=(0, 1))
+    a("--use_wandb", action="store_true")
+    a("--use_swanlab", action="store_true")
+    a("--wandb_project", default="tiny-llm-trainer")
+    # minimind's augmentations, off by default; drawn per (seed, epoch, sample), so a resume stays exact.  # stage
+    a("--system_prompt_ratio", type=float, default=None,  # stage
+      help="share of samples without a system message that get a generic one")  # stage
+    a("--drop_empty_think_ratio", type=float, default=None,  # stage
+      help="share of samples whose empty <think> blocks are left out")  # stage
+    add_operator_flags(parser)  # kept checkpoints, background saves, metrics files, validation, anomaly policy
+    return parser.parse_args()
 
 
 def main() -> None:
-    parser = build_arg_parser(__doc__.splitlines()[0], save_weight="full_sft", from_weight="pretrain",
-                              data_path="dataset/sft_demo.jsonl", learning_rate=5e-5, epochs=2)
-    # minimind's augmentations, off by default; drawn per (seed, epoch, sample), so resume stays exact.
-    parser.add_argument("--system_prompt_ratio", type=float, default=None,
-                        help="share of samples without a system message that get a generic one")
-    parser.add_argument("--drop_empty_think_ratio", type=float, default=None,
-                        help="share of samples whose empty <think> blocks are left out")
-    args = parser.parse_args()
+    # ---- 1. Flags ------------------------------------------------------------------------------
+    args = parse_args()
 
-    def make_dataset(path: str, tokenizer, max_seq_len: int) -> SFTDataset:
-        augment = path == args.data_path  # validation data is scored as it is
-        return SFTDataset(path, tokenizer, max_seq_len, seed=args.seed,
-                          system_prompt_ratio=(args.system_prompt_ratio or 0.0) if augment else 0.0,
-                          drop_empty_think_ratio=(args.drop_empty_think_ratio or 0.0) if augment else 0.0)
+    # ---- 2. Distributed init: one process, or one per GPU (or CPU rank) under torchrun -----------
+    dist_info = init_distributed(args.device)
+    rank, world_size, device = dist_info.rank, dist_info.world_size, dist_info.device
+    log = Logger(dist_info.is_main)
+    setup_seed(args.seed)  # identical initial weights on every rank
 
-    run_training(args, make_dataset)
+    # ---- 3. Data and batch geometry: the files are indexed and checked before any training ------
+    tokenizer = load_tokenizer(args.tokenizer_path)
+    train_ds = SFTDataset(args.data_path, tokenizer, args.max_seq_len, seed=args.seed,  # stage
+                          system_prompt_ratio=args.system_prompt_ratio or 0.0,  # stage
+                          drop_empty_think_ratio=args.drop_empty_think_ratio or 0.0)  # stage
+    val_ds = SFTDataset(args.val_data, tokenizer, args.max_seq_len) if args.val_data else None  # stage: as it is
+    n = len(train_ds)
+    accumulation, global_batch = resolve_accumulation(args.batch_size, world_size, args.accumulation_steps,
+                                                      args.global_batch_size)
+    fingerprint, settings = data_fingerprint(train_ds.source), resume_settings(args, accumulation, world_size)
+
+    # ---- 4. Model and optimizer: FP32 master weights; bf16 (or fp16 + GradScaler) autocast on CUDA
+    lm_config = model_config(args, tokenizer.get_vocab_size())
+
+    def newest_checkpoint(resume_path: str | None = None) -> dict | None:  # for --from_resume and rollbacks
+        return lm_checkpoint(lm_config, weight=args.save_weight, checkpoint_dir=args.checkpoint_dir,
+                             resume_path=resume_path, num_samples=n, global_batch=global_batch,
+                             data_fingerprint=fingerprint, train_args=settings, log=log)
+
+    state = newest_checkpoint(args.resume_path) if args.from_resume or args.resume_path else None
+    if (args.from_resume or args.resume_path) and state is None:
+        log(f"--from_resume 1: no checkpoint of {run_name(args.save_weight, lm_config)} in "
+            f"{args.checkpoint_dir}; starting fresh")
+    model, lm_config = init_model(args, lm_config, log, from_weight=state is None)  # a resume brings its own
+    model.to(device)
+    use_cuda = device.type == "cuda"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.01, fused=use_cuda)
+    dtype = getattr(torch, args.dtype)
+    autocast = torch.autocast("cuda", dtype=dtype) if use_cuda and dtype != torch.float32 else nullcontext()
+    scaler = torch.amp.GradScaler("cuda", enabled=use_cuda and dtype == torch.float16)
+    guard = AnomalyGuard(args.on_anomaly, args.patience, args.max_rollbacks, args.rollback_lr_factor)
+    install_debug_injection(model, args.debug_inject, current_step=lambda: global_step + 1)
+
+    # ---- 5. Resume: weights, optimizer, RNG and the data position (lm_checkpoint checked the rest) -
+    setup_seed(args.seed + rank)  # ranks differ in dropout noise; a resume on the same world size restores it
+    epoch, samples_consumed, global_step = 0, 0, 0
+    if state is not None:
+        restore_training_state(state, model, optimizer, scaler, rank, world_size)
+        guard.load_state_dict(state["anomaly"])  # its history, rollbacks and windows to step over
+        epoch, samples_consumed, global_step = state["epoch"], state["samples_consumed"], state["global_step"]
+
+    def total_steps() -> int:  # the step the run will end at, from the position in the data
+        return global_step + steps_left(n, samples_consumed, global_batch) + (
+            args.epochs - epoch - 1) * steps_left(n, 0, global_batch)
+
+    log(f"{lm_config.hidden_size}x{lm_config.num_hidden_layers} model, {model.num_parameters() / 1e6:.2f}M "
+        f"params; {n} samples; global batch {global_batch} = {args.batch_size} x {world_size} ranks x "
+        f"{accumulation} accumulation; {total_steps() - global_step} steps")
+
+    # ---- 6. Compile and DDP (after loading, so state_dict keys carry no wrapper prefixes); outputs --
+    if args.use_compile:
+        model = torch.compile(model)
+    if world_size > 1:
+        model = DistributedDataParallel(model, device_ids=[dist_info.local_rank] if use_cuda else None)
+    tracker = Tracker(args, args.run_name or run_name(args.save_weight, lm_config), dist_info.is_main, device,
+                      start_step=global_step, total_steps=total_steps(),
+                      tracker_ids=state["tracker_ids"] if state else {},
+                      model_flops_per_token=flops_per_token(unwrap(model).num_parameters(), lm_config.num_hidden_layers,
+                                                            lm_config.hidden_size, args.max_seq_len))
+    saver = BackgroundSaver(background=bool(args.async_save), pin_memory=use_cuda)  # only rank 0 writes
+    stop = StopRequest()  # SIGTERM / Ctrl-C: finish the step, save, exit 0
+
+    # ---- 7. Train, epoch by epoch, from the resumed position ------------------------------------
+    status, steps_this_run = "completed", 0
+    with tracker, saver:  # on an error: the save in flight completes and the status file says "failed"
+        while epoch < args.epochs and status == "completed":
+            train_ds.set_epoch(epoch)  # stage: the augmentations are drawn per (seed, epoch, sample)
+            sampler = SkipBatchSampler(epoch_order(args.seed, epoch, n), samples_consumed, global_batch,
+                                       args.batch_size, rank, world_size)
+            # Its own generator: iter() on a loader draws a seed from the global torch RNG, and a
+            # resumed run (one iter() more than an uninterrupted one) would drift from it.
+            batches = iter(DataLoader(IndexedDataset(train_ds), batch_sampler=sampler, num_workers=args.num_workers,
+                                      pin_memory=use_cuda,
+                                      generator=torch.Generator().manual_seed(args.seed * 1_000_003 + epoch)))
+            for s in range(sampler.num_steps()):
+                # ---- one optimizer step: the next global batch, split over ranks and micro-steps ----
+                window = len(sampler.step_window(s))
+                micro_batches = [next(batches) for _ in range(sampler.micro_steps_per_step(s))]
+                if guard.should_skip(epoch, samples_consumed):  # it went wrong before a rollback: step over it
+                    log(f"skipping the batch window at sample {samples_consumed} of epoch {epoch + 1} "
+                        f"(it caused an anomaly before the rollback)")
+                    lr, action, reason = 0.0, "skip", None
+                    numbers = {"loss": math.nan, "grad_norm": math.nan, "local_loss_sum": math.nan,
+                               "local_tokens": 0, "input_tokens": 0, "stop": stop.signal is not None}
+                else:
+                    # The LR at the position this step reaches, so the first step already trains.
+                    progress = (epoch * n + samples_consumed + window) / (args.epochs * n)
+                    lr = get_lr(progress, args.learning_rate, args.warmup_ratio) * guard.lr_scale
+                    for group in optimizer.param_groups:
+                        group["lr"] = lr
+                    on_device = [(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+                                 for _, x, y in micro_batches]
+                    # The loss is a sum over tokens divided by the tokens with a label in the WHOLE global
+                    # batch (all ranks, all micro-steps), so the gradient does not depend on the split.
+                    global_tokens = sum((y[:, 1:] != -100).sum() for _, y in on_device).double()
+                    local_tokens = global_tokens.clone()
+                    if dist.is_initialized():
+                        dist.all_reduce(global_tokens)
+                    loss_scale = world_size / global_tokens.clamp(min=1.0)  # x world_size: DDP averages over ranks
+                    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+                    for i, (input_ids, labels) in enumerate(on_device):
+                        # Only the last micro-step all-reduces the gradients; the others just accumulate.
+                        is_last = i == len(on_device) - 1
+                        with nullcontext() if is_last or world_size == 1 else model.no_sync():
+                            with autocast:
+                                out = model(input_ids, labels=labels, loss_reduction="sum")
+                                loss = out.loss * loss_scale + out.aux_loss / len(on_device)
+                            scaler.scale(loss).backward()
+                        loss_sum += out.loss.detach().double()
+                    scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
+                    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+                    # The step's one host sync: loss, grad norm, and whether any rank must stop.
+                    numbers = step_numbers(loss_sum, global_tokens, local_tokens, grad_norm,
+                                           input_tokens=sum(x.numel() for x, _ in on_device),
+                                           stop=stop.signal is not None, save_failed=saver.failed)
+                    if numbers["save_failed"]:
+                        finish_saves(saver)  # raises on every rank, rank 0 with the writer's error
+                    # The guard judges the step before the optimizer may touch the weights.
+                    action, reason = guard.verdict(global_step + 1, numbers["loss"], numbers["grad_norm"],
+                                                   gradients_finite_expected=not scaler.is_enabled())
+                    if action == "apply":
+                        scaler.step(optimizer)
+                    scaler.update()
+                    optimizer.zero_grad(set_to_none=True)
+                    if reason:
+                        log(f"anomaly: {reason} (--on_anomaly {args.on_anomaly}: {action})")
+                        tracker.anomaly(global_step + 1, reason)
+                if action == "stop":
+                    raise AnomalyStop(f"{reason}. The newest checkpoint in {args.checkpoint_dir} is from before it.")
+                if action == "rollback":  # back to the newest checkpoint; this window is stepped over next time
+                    finish_saves(saver)  # the newest checkpoint must be complete before we look for it
+                    state = newest_checkpoint()
+                    if state is None:
+                        raise AnomalyStop(f"{reason}; no checkpoint to roll back to yet (lower --save_interval)")
+                    guard.plan_rollback(epoch, samples_consumed)
+                    restore_training_state(state, model, optimizer, scaler, rank, world_size)
+                    epoch, samples_consumed, global_step = state["epoch"], state["samples_consumed"], state["global_step"]
+                    log(f"rollback {guard.rollbacks}/{guard.max_rollbacks}: back to step {global_step}; lr scale "
+                        f"now {guard.lr_scale:g}")
+                    tracker.rollback(global_step, total_steps())
+                    break  # the while loop starts the restored epoch at the restored position
+
+                # ---- after the step: the trace, the position, logs, validation, the save ----
+                trained = [int(i) for indices, _, _ in micro_batches for i in indices if i >= 0]
+                record = {"step": global_step + 1, "epoch": epoch, "rank": rank, "world_size": world_size,
+                          "samples": trained if action == "apply" else [], "loss": numbers["local_loss_sum"] / max(
+                              numbers["local_tokens"], 1), "loss_sum": numbers["local_loss_sum"],
+                          "local_tokens": numbers["local_tokens"], "global_loss": numbers["loss"],
+                          "grad_norm": numbers["grad_norm"], "lr": lr}
+                if action != "apply":
+                    record.update(skipped=True, skipped_samples=trained, anomaly=reason)
+                tracker.step(record, numbers["input_tokens"])
+                samples_consumed, global_step, steps_this_run = samples_consumed + window, global_step + 1, steps_this_run + 1
+                epoch_done = samples_consumed == n
+                if epoch_done:
+                    epoch, samples_consumed = epoch + 1, 0
+                if global_step % args.log_interval == 0 or epoch_done:
+                    tracker.log({"epoch": record["epoch"], "samples_consumed": samples_consumed, "loss": numbers["loss"],
+                                 "lr": lr, "grad_norm": numbers["grad_norm"]}, global_step, total_steps())
+                if val_ds is not None and (global_step % args.eval_interval == 0 or epoch == args.epochs):
+                    tracker.validation(global_step, validation_loss(unwrap(model), val_ds, args.batch_size, device,
+                                                                    autocast))
+                stopping = numbers["stop"] or (args.max_steps is not None and steps_this_run >= args.max_steps)
+                if stopping or epoch_done or global_step % args.save_interval == 0:
+                    started = time.perf_counter()
+                    lm_checkpoint(lm_config, args.save_weight, model, optimizer, epoch,
+                                  step_in_epoch(n, samples_consumed, global_batch), tracker.runs.get("wandb"),
+                                  args.save_dir, args.checkpoint_dir, samples_consumed=samples_consumed,
+                                  global_step=global_step, scaler=scaler, lr=lr, train_args=settings,
+                                  data_fingerprint=fingerprint, anomaly_state=guard.state_dict(),
+                                  keep_last=args.keep_last, swanlab=tracker.runs.get("swanlab"), saver=saver)
+                    tracker.saved(time.perf_counter() - started)  # only the time it blocked training
+                    if args.save_hf and dist_info.is_main:
+                        export_hf(unwrap(model).state_dict(), lm_config,
+                                  Path(args.save_dir) / f"{run_name(args.save_weight, lm_config)}_hf", args.tokenizer_path)
+                if stopping:
+                    status = "stopped"
+                    break
+        finish_saves(saver)  # the last save is on disk before the run reports its end
+        tracker.finish(status)
+
+    # ---- 8. Cleanup ------------------------------------------------------------------------------
+    if status == "stopped":
+        reason = stop.signal or f"--max_steps {args.max_steps} reached"
+        log(f"stopped at step {global_step} ({reason}); checkpoint saved. To continue: "
+            f"{continue_command(sys.argv, world_size)}")
+    else:
+        log(f"training finished at step {global_step}; weights in {args.save_dir}")
+    del model, optimizer  # the DDP wrapper goes while the process group still exists
+    cleanup_distributed()
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

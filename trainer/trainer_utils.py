@@ -1,49 +1,70 @@
-"""Pieces both training scripts share, and the checkpoint at the heart of this project.
+"""The one helper module both training scripts call, as in minimind. Read it after the script.
 
-    distributed   init_distributed / cleanup_distributed, the rank-0 Logger, seeds
-    throughput    FLOPs per token and the GPU's peak, for MFU
-    schedule      the LR as a function of the position in the data; batch geometry
-    validation    the mean loss per token over a validation file
-    weights       unwrap (DDP / compile wrappers), the run's file name stem
-    checkpoints   lm_checkpoint: what a `_resume.pth` holds, how it is saved and found again
+    1. running         REPO_ROOT, expected errors (one line, exit 2), distributed init/teardown, logger, seeds
+    2. schedule        get_lr (follows the position in the data), batch geometry
+    3. data order      samples_consumed -> SkipBatchSampler: which samples each rank trains, in what order
+    4. model           the model from flags or from --from_weight's file; validation loss
+    5. checkpoints     lm_checkpoint: the commented `_resume.pth` dict on save; on load, the state and
+                       the step label rescaled to this run's GPU count
 
-`train_pretrain.py` and `train_full_sft.py` differ only in their dataset and defaults; the loop they
-share is train_loop.py, the flags (and the model config, from flags or --from_weight) flags.py.
-A save goes lm_checkpoint -> background_save.py (copy to CPU memory, write in a thread) ->
-checkpoint_io.py (atomic, hashed, manifested, rotated); a resume goes resume.py (what it restores
-or refuses) -> lm_checkpoint -> checkpoint_io.py. stopping.py holds signals and teardown.
+Production hardening sits behind one call each, in modules you may skip: checkpoint_io.py (atomic,
+hashed, rotated files), background_save.py (write while training goes on), resume_checks.py (refuse a
+resume that changed the model, data or settings), anomaly.py, tracking.py, stopping.py.
 """
 
 from __future__ import annotations
 
+import argparse
+import gc
 import math
 import os
 import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.utils.data import Dataset, Sampler
 
-from model.model import LMConfig
-from trainer import checkpoint_io
-from trainer.background_save import BackgroundSaver, StateSnapshot
-from trainer.data_order import SkipBatchSampler, step_in_epoch
+from dataset.jsonl_file import DataFileError
+from model.hf import load_project_weights
+from model.model import CausalLM, LMConfig
+from trainer import checkpoint_io, resume_checks
+from trainer.anomaly import AnomalyStop
+from trainer.background_save import BackgroundSaver
+from trainer.checkpoint_io import CheckpointError
+from trainer.resume_checks import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
+# ---- 1. running -------------------------------------------------------------------------------
 
-# minimind's readers look for the sampler here (`from trainer.trainer_utils import SkipBatchSampler`).
-__all__ = ["SkipBatchSampler", "lm_checkpoint"]
-
-
-class ConfigError(ValueError):
-    """A flag, weights file or checkpoint that does not fit this run: the user's to fix, no traceback."""
+# What a user can cause and fix (bad data, a missing file, flags or a checkpoint that do not fit):
+# one message and exit code 2, not a traceback. Anything else is a bug and keeps its traceback.
+EXPECTED_ERRORS = (FileNotFoundError, DataFileError, ConfigError, CheckpointError)
 
 
-# ---- distributed ----------------------------------------------------------------------------
+def run_script(main: Callable[[], None]) -> None:
+    """Run `main`; an expected error exits 2 with one line, a stop on an anomaly exits 3."""
+    try:
+        main()
+        return
+    except AnomalyStop as error:
+        message, code = f"stopping on anomaly: {error}", 3
+    except EXPECTED_ERRORS as error:
+        message, code = f"error: {error}", 2
+    # Here, outside the except blocks, the traceback (and the DDP model in main's frame) is gone.
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, file=sys.stdout if code == 3 else sys.stderr, flush=True)
+    if code == 2 and dist.is_initialized():  # other ranks may wait in a collective: leave at once
+        sys.stdout.flush()
+        os._exit(2)
+    cleanup_distributed(exit_code=code)  # an anomaly stop is agreed by all ranks: leave together
+    sys.exit(code)
+
 
 @dataclass
 class DistInfo:
@@ -75,11 +96,13 @@ def init_distributed(device_flag: str) -> DistInfo:
 def cleanup_distributed(exit_code: int = 0) -> None:
     """Tear the process group down; under torchrun, then end the process at once with `exit_code`.
 
-    Known PyTorch issue: with gloo, C++ worker threads can still be alive when the interpreter
-    finalizes, and their destructors abort the process ("terminate called without an active
-    exception", exit -6) after training succeeded. Once every rank has passed the barrier and
-    the group is destroyed there is nothing left to clean up, so the process exits directly.
+    The DDP wrapper must be gone first (its reducer holds gloo/nccl work: destroyed after the group
+    it can abort the process), hence the garbage collection. And with gloo, C++ worker threads can
+    still run when the interpreter finalizes and abort it ("terminate called without an active
+    exception") after training succeeded; once every rank passed the barrier there is nothing left
+    to clean up, so the process exits directly.
     """
+    gc.collect()
     if not dist.is_initialized():
         return
     dist.barrier()
@@ -107,31 +130,34 @@ def setup_seed(seed: int) -> None:
     torch.cuda.manual_seed_all(seed)
 
 
-# Dense bf16 peak of common GPUs (TFLOPS), for MFU = achieved / peak model FLOPs.
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "4090": 165.0, "A10": 125.0}
+def add_operator_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags for running in production that a first reading can skip (both scripts share them)."""
+    a = parser.add_argument
+    a("--tokenizer_path", default=str(REPO_ROOT / "model" / "tokenizer.json"))
+    a("--resume_path", default=None, help="resume from this kept checkpoint file instead of the newest")
+    a("--keep_last", type=int, default=2, help="verified checkpoints to keep")
+    a("--async_save", type=int, default=1, choices=(0, 1),
+      help="1: copy the state to CPU memory and write it in a background thread; 0: write before continuing")
+    a("--intermediate_size", type=int, default=None, help="SwiGLU width (default: from --from_weight, else the model's)")
+    a("--num_experts", type=int, default=None, help="MoE experts (default: from --from_weight, else the model's)")
+    a("--num_experts_per_tok", type=int, default=None, help="MoE top-k (default: the model's)")
+    a("--save_debug_train_output", default=None,
+      help="JSONL path: one record per optimizer step and rank (sample indices, loss, lr)")
+    a("--save_hf", type=int, default=0, choices=(0, 1), help="1: also write a Hugging Face export at each save")
+    a("--logger", default="console,file", help="any of console,file,wandb,swanlab, comma-separated")
+    a("--metrics_dir", default=None, help="where {run_name}_metrics.jsonl and _status.json go (default --save_dir)")
+    a("--run_name", default=None, help="name of the metrics files and tracker run (default {weight}_{hidden})")
+    a("--val_data", default=None, help="JSONL validation file in the training format")
+    a("--eval_interval", type=int, default=100, help="optimizer steps between validations")
+    a("--on_anomaly", default="warn", choices=("warn", "stop", "rollback"), help="what a bad step does")
+    a("--patience", type=int, default=0, help="steps without loss improvement that count as a plateau (0: off)")
+    a("--max_rollbacks", type=int, default=3)
+    a("--rollback_lr_factor", type=float, default=1.0, help="multiply the LR by this after each rollback")
+    a("--debug_inject", default=None,
+      help="try the anomaly policy on purpose: nan:K or spike:K makes step K's loss NaN or 1e4x (comma-separated)")
 
 
-def peak_flops(device: torch.device) -> float | None:
-    """The GPU's dense bf16 peak in FLOP/s if it is a known model, else None (MFU is then not logged)."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((tflops * 1e12 for key, tflops in PEAK_BF16_TFLOPS.items() if key in name), None)
-
-
-def flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_len: int) -> float:
-    """FLOPs of one forward + backward per token (the usual estimate, as in PaLM's appendix B).
-
-    6 * params: every weight does one multiply-add (2 FLOPs) per token forward and two backward.
-    The tied embedding counts once: its lookup is free, its use as lm_head is a real matmul.
-    12 * layers * hidden * seq: attention scores (Q K^T) and the weighted sum (A V), 2 * seq * hidden
-    FLOPs each per token forward, times 3 for forward + backward. Counted for the full square even
-    though causal attention could skip half of it, which is the common convention.
-    """
-    return 6 * num_params + 12 * num_layers * hidden_size * seq_len
-
-
-# ---- schedule and batch geometry ------------------------------------------------------------
+# ---- 2. schedule and batch geometry ------------------------------------------------------------
 
 def get_lr(progress: float, base_lr: float, warmup_ratio: float) -> float:
     """LR at `progress` = samples trained / samples of the whole run, in [0, 1].
@@ -154,36 +180,134 @@ def resolve_accumulation(batch_size: int, world_size: int, accumulation_steps: i
     per_micro_step = batch_size * world_size
     if global_batch_size % per_micro_step != 0:
         raise ConfigError(f"--global_batch_size {global_batch_size} is not a multiple of batch_size "
-                         f"{batch_size} x world_size {world_size} = {per_micro_step}; choose a global batch "
-                         f"or batch size so that it divides")
+                          f"{batch_size} x world_size {world_size} = {per_micro_step}; choose a global batch "
+                          f"or batch size so that it divides")
     return global_batch_size // per_micro_step, global_batch_size
 
 
-# ---- validation ---------------------------------------------------------------------------
+# ---- 3. data order -----------------------------------------------------------------------------
+#
+# The whole data position of a run is one number: `samples_consumed`, how many samples of the
+# current epoch's permutation all ranks together have trained on. Everything else is derived:
+#
+#     order     = epoch_order(seed, epoch, len(dataset))      # same for python and torchrun
+#     remaining = order[samples_consumed:]                    # a view: skipping costs O(1)
+#     step s    = remaining[s*G : (s+1)*G]                    # G = the global batch
+#     rank r    = step[r::world_size]                         # interleaved share, no overlap
+#
+# A run stopped after k steps has consumed exactly k*G more samples whatever its world size, and a
+# run resumed on another world size continues at that cursor. The last step of an epoch may be
+# short; every rank still runs the same number of micro-steps (DDP needs that), and a rank without
+# data in a slot gets a placeholder row whose labels are all ignored: it adds nothing to the gradient.
 
-@torch.no_grad()
-def validation_loss(model: torch.nn.Module, dataset, batch_size: int, device: torch.device, autocast) -> float:
-    """Mean loss per token over the whole validation file; each rank takes every world_size-th sample."""
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    was_training = model.training
-    model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, token count
-    indices = list(range(rank, len(dataset), world_size))
-    for start in range(0, len(indices), batch_size):
-        rows = [dataset[i] for i in indices[start:start + batch_size]]
-        input_ids = torch.stack([r[0] for r in rows]).to(device)
-        labels = torch.stack([r[1] for r in rows]).to(device)
-        with autocast:
-            out = model(input_ids, labels=labels, loss_reduction="sum")
-        totals[0] += out.loss.double()
-        totals[1] += (labels[:, 1:] != -100).sum()
-    if dist.is_initialized():
-        dist.all_reduce(totals)
-    model.train(was_training)
-    return (totals[0] / totals[1].clamp(min=1)).item()
+PLACEHOLDER_INDEX = -1
 
 
-# ---- weights --------------------------------------------------------------------------------
+def epoch_order(seed: int, epoch: int, num_samples: int) -> torch.Tensor:
+    """The permutation of sample indices for one epoch; depends only on (seed, epoch, num_samples)."""
+    return torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+
+
+def steps_left(num_samples: int, samples_consumed: int, global_batch: int) -> int:
+    """Optimizer steps still to take in an epoch (the last one may be a short window)."""
+    return math.ceil((num_samples - samples_consumed) / global_batch)
+
+
+def step_in_epoch(num_samples: int, samples_consumed: int, global_batch: int) -> int:
+    """The step label of a cursor: optimizer steps of `global_batch` that reach `samples_consumed`."""
+    return steps_left(num_samples, 0, global_batch) - steps_left(num_samples, samples_consumed, global_batch)
+
+
+class SkipBatchSampler(Sampler[list[int]]):
+    """This rank's micro-batches for the rest of one epoch, from a sample cursor, grouped by step.
+
+    Resuming never reads the skipped samples: it slices the order.
+    """
+
+    def __init__(self, order: torch.Tensor, samples_consumed: int, global_batch: int,
+                 batch_size: int, rank: int, world_size: int):
+        if global_batch % (batch_size * world_size) != 0:
+            raise ValueError(f"global batch {global_batch} is not a multiple of batch_size {batch_size} "
+                             f"x world_size {world_size}")
+        if not 0 <= samples_consumed <= len(order):
+            raise ValueError(f"samples_consumed {samples_consumed} is outside the epoch of {len(order)} samples")
+        self.remaining = order[samples_consumed:]
+        self.global_batch, self.batch_size, self.rank, self.world_size = global_batch, batch_size, rank, world_size
+
+    def num_steps(self) -> int:
+        return math.ceil(len(self.remaining) / self.global_batch)
+
+    def step_window(self, step: int) -> torch.Tensor:
+        """The samples (of all ranks) that optimizer step `step` trains on."""
+        return self.remaining[step * self.global_batch:(step + 1) * self.global_batch]
+
+    def micro_steps_per_step(self, step: int) -> int:
+        # Rank 0 has the longest share of a short window, so its count is the one all ranks use.
+        return math.ceil(math.ceil(len(self.step_window(step)) / self.world_size) / self.batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for step in range(self.num_steps()):
+            share = self.step_window(step)[self.rank::self.world_size]
+            for micro in range(self.micro_steps_per_step(step)):
+                indices = share[micro * self.batch_size:(micro + 1) * self.batch_size].tolist()
+                yield indices if indices else [PLACEHOLDER_INDEX]
+
+    def __len__(self) -> int:
+        return sum(self.micro_steps_per_step(step) for step in range(self.num_steps()))
+
+
+class IndexedDataset(Dataset):
+    """Items carry their index (for the debug trace); the placeholder is a row with every label ignored."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        input_ids, labels = self.dataset[max(index, 0)]
+        return index, input_ids, labels if index != PLACEHOLDER_INDEX else torch.full_like(labels, -100)
+
+
+# ---- 4. model ----------------------------------------------------------------------------------
+
+# The flags that shape the model; None means "not given" (the model's default applies).
+SIZE_FLAGS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "use_moe",
+              "intermediate_size", "num_experts", "num_experts_per_tok")
+
+
+def model_config(args, vocab_size: int) -> LMConfig:
+    """The model the size flags describe, for a tokenizer of `vocab_size` tokens."""
+    sizes = {name: getattr(args, name) for name in SIZE_FLAGS if getattr(args, name) is not None}
+    return LMConfig(vocab_size=vocab_size, **{**sizes, "use_moe": bool(sizes.get("use_moe", 0))})
+
+
+def init_model(args, lm_config: LMConfig, log: Callable[[str], None],
+               from_weight: bool = True) -> tuple[CausalLM, LMConfig]:
+    """A model of `lm_config` with random weights or, with --from_weight (and `from_weight`), that file's.
+
+    The sizes are then read from the file's tensors, so minimind's files (or ours of any shape)
+    need no size flags; size flags given are checked against it, and a mismatch names both shapes.
+    """
+    if not from_weight or args.from_weight == "none":
+        return CausalLM(lm_config), lm_config
+    path = Path(args.save_dir) / f"{args.from_weight}_{args.hidden_size}{'_moe' if args.use_moe else ''}.pth"
+    if not path.is_file():
+        raise FileNotFoundError(f"--from_weight {args.from_weight}: {path} does not exist. Train that stage first "
+                                f"(e.g. trainer/train_pretrain.py with the same --hidden_size), or pass "
+                                f"--from_weight none to start from random weights")
+    try:
+        weights, file_config = load_project_weights(path, {name: getattr(args, name) for name in SIZE_FLAGS},
+                                                    lm_config.vocab_size)
+    except ValueError as error:  # the file does not fit the flags or the tokenizer: the message says how
+        raise ConfigError(f"--from_weight {args.from_weight}: {error}") from None
+    log(f"initial weights: {path} ({file_config.hidden_size}x{file_config.num_hidden_layers}, "
+        f"intermediate {file_config.intermediate_size}{', MoE' if file_config.use_moe else ''})")
+    model = CausalLM(file_config)
+    model.load_state_dict(weights, strict=True)
+    return model, file_config
+
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The plain model inside DDP and torch.compile wrappers (their state_dict keys get prefixes)."""
@@ -196,62 +320,79 @@ def run_name(weight: str, lm_config: LMConfig) -> str:
     return f"{weight}_{lm_config.hidden_size}{'_moe' if lm_config.use_moe else ''}"
 
 
-# ---- checkpoints ----------------------------------------------------------------------------
+@torch.no_grad()
+def validation_loss(model: torch.nn.Module, dataset, batch_size: int, device: torch.device, autocast) -> float:
+    """Mean loss per token over the whole validation file; each rank takes every world_size-th sample."""
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, token count
+    indices = list(range(rank, len(dataset), world_size))
+    for start in range(0, len(indices), batch_size):
+        rows = [dataset[i] for i in indices[start:start + batch_size]]
+        labels = torch.stack([r[1] for r in rows]).to(device)
+        with autocast:
+            totals[0] += model(torch.stack([r[0] for r in rows]).to(device), labels=labels,
+                               loss_reduction="sum").loss.double()
+        totals[1] += (labels[:, 1:] != -100).sum()
+    if dist.is_initialized():
+        dist.all_reduce(totals)
+    model.train()
+    return (totals[0] / totals[1].clamp(min=1)).item()
+
+
+def step_numbers(loss_sum: torch.Tensor, global_tokens: torch.Tensor, local_tokens: torch.Tensor,
+                 grad_norm: torch.Tensor, *, input_tokens: int, stop: bool, save_failed: bool) -> dict:
+    """The numbers of one optimizer step on the host, with one small all-reduce and one device sync.
+
+    The global loss sum, whether any rank was asked to stop or failed to save, and the input tokens
+    travel together; then everything comes to the host at once (`.tolist()` waits for the GPU).
+    """
+    flags = torch.tensor([float(stop), float(input_tokens), float(save_failed)], dtype=torch.float64)
+    shared = torch.cat([loss_sum.view(1), flags.to(loss_sum.device, non_blocking=True)])  # a copy: loss_sum stays local
+    if dist.is_initialized():
+        dist.all_reduce(shared)
+    loss_total, any_stop, tokens, any_failed, total_tokens, local_loss, local_count, norm = torch.cat(
+        [shared, global_tokens.view(1), loss_sum.view(1), local_tokens.view(1), grad_norm.detach().double().view(1)]
+    ).tolist()
+    return {"loss": loss_total / max(total_tokens, 1.0), "grad_norm": norm, "stop": any_stop > 0,
+            "save_failed": any_failed > 0, "input_tokens": int(tokens), "local_loss_sum": local_loss,
+            "local_tokens": int(local_count)}
+
+
+# ---- 5. checkpoints ----------------------------------------------------------------------------
 #
 # Two files per save. `out/{run}.pth`: FP16 weights only, for inference and the next stage.
 # `checkpoints/{run}_resume.pth`: everything the next optimizer step depends on, so a resumed run
-# continues exactly (see resume.py for what it checks). Written by rank 0 through checkpoint_io,
-# which makes the file durable, verified and rotated; every rank contributes its RNG state.
+# continues exactly. Rank 0 writes both through checkpoint_io (durable, hashed, rotated); every
+# rank contributes its RNG state.
 
 def capture_rng_state() -> dict:
     """Every RNG this process uses, as tensors and plain types (loadable with weights_only=True)."""
     np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     py_version, py_state, py_gauss = random.getstate()
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "numpy": {"kind": np_kind, "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
-                  "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss)},
-        "python": {"version": py_version, "state": torch.tensor(py_state, dtype=torch.int64),
-                   "gauss_next": py_gauss},
-    }
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "numpy": {"kind": np_kind, "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
+                      "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss)},
+            "python": {"version": py_version, "state": torch.tensor(py_state, dtype=torch.int64),
+                       "gauss_next": py_gauss}}
 
 
-def restore_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    np_state = state["numpy"]
-    np.random.set_state((np_state["kind"], np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
-                         np_state["has_gauss"], np_state["cached_gaussian"]))
-    py_state = state["python"]
-    random.setstate((py_state["version"], tuple(py_state["state"].tolist()), py_state["gauss_next"]))
-
-
-def cast_state_dict(state_dict: dict, dtype: torch.dtype) -> dict:
-    """CPU copies in `dtype` that keep tied tensors tied (embedding = lm_head), so files hold them once."""
-    converted = {}
-    return {name: converted.setdefault(t.data_ptr(), t.detach().to("cpu", dtype))
-            for name, t in state_dict.items()}
-
-
-def plain(value):
-    """Settings as plain types for the checkpoint (weights_only loading accepts only those)."""
-    if isinstance(value, dict):
-        return {str(k): plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)
-
-
-def _tracker_id(run, name: str) -> str | None:
-    if run is None:
-        return None
-    if not hasattr(run, "id"):
-        raise TypeError(f"pass the run object returned by {name}.init(), not the {name} module")
-    return str(run.id)
+def restore_training_state(state: dict, model, optimizer, scaler, rank: int, world_size: int) -> None:
+    """Weights, optimizer, scaler and (on the same world size only) this rank's RNG from `state`."""
+    unwrap(model).load_state_dict(state["model"], strict=True)
+    optimizer.load_state_dict(state["optimizer"])
+    if state["scaler"] is not None:
+        scaler.load_state_dict(state["scaler"])
+    if len(state["rng"]) == world_size:  # on another world size every rank keeps its fresh seed
+        rng = state["rng"][rank]
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        n = rng["numpy"]
+        np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                             n["cached_gaussian"]))
+        random.setstate((rng["python"]["version"], tuple(rng["python"]["state"].tolist()), rng["python"]["gauss_next"]))
 
 
 def lm_checkpoint(lm_config: LMConfig, weight: str = "full_sft", model=None, optimizer=None, epoch: int = 0,
@@ -259,27 +400,43 @@ def lm_checkpoint(lm_config: LMConfig, weight: str = "full_sft", model=None, opt
                   samples_consumed: int = 0, global_step: int = 0, scaler=None, lr: float = 0.0,
                   train_args: dict | None = None, data_fingerprint: dict | None = None,
                   anomaly_state: dict | None = None, keep_last: int = 2, swanlab=None,
-                  saver: BackgroundSaver | None = None, resume_path: str | None = None, num_samples: int | None = None,
-                  global_batch: int | None = None, log=print) -> dict | None:
+                  saver: BackgroundSaver | None = None, resume_path: str | None = None,
+                  num_samples: int | None = None, global_batch: int | None = None, log=print) -> dict | None:
     """Save a checkpoint (when `model` is given) or load the newest good one (when it is not).
 
-    Saving must be called on every rank (it gathers each rank's RNG state); rank 0 writes, in the
-    background when a `saver` is given (only the copy to CPU memory blocks). The
-    positional parameters are minimind's; the keywords after `*` are what exact resume adds.
-    `samples_consumed` is the data position; `step` (optimizer steps into the epoch) is only a
-    label derived from it for the current global batch.
+    The positional parameters are minimind's; the keywords after `*` are what exact resume adds.
+    Saving is called on every rank (it gathers each rank's RNG state); rank 0 writes, through `saver`
+    (in the background, if it is one that does) or at once. `samples_consumed` is the data position;
+    `step` (optimizer steps into the epoch) is only a label derived from it.
 
-    Loading returns the state dict of the newest checkpoint that verifies (or `resume_path`'s), or
-    None if the run has none. With `num_samples` and `global_batch` its "step" is re-derived for
-    this run's global batch: minimind's `step * old_ws // new_ws` is the special case of that when
-    all the counts divide.
+    Loading returns the newest checkpoint that verifies (or `resume_path`'s), checked against this
+    run's `lm_config`, `data_fingerprint` and `train_args`; None if the run has none.
     """
     files = checkpoint_io.RunFiles(Path(checkpoint_dir), run_name(weight, lm_config))
     if model is None:
-        state = _load_resume_state(files, resume_path, log)
-        # (A minimind file has no cursor: resume.py converts it, its "step" is minimind's own.)
-        if state is not None and "samples_consumed" in state and num_samples is not None and global_batch is not None:
-            state["step"] = step_in_epoch(num_samples, state["samples_consumed"], global_batch)
+        state = checkpoint_io.load_newest(files, resume_path, log)
+        if state is None or num_samples is None or global_batch is None:  # minimind's call: the state as saved
+            return state
+        train_args = train_args or {"world_size": state["world_size"]}
+        if resume_checks.is_minimind_layout(state):  # minimind's file has no cursor: a position from its step
+            state = resume_checks.from_minimind_layout(state, lm_config, data_fingerprint, train_args, num_samples, log)
+        if data_fingerprint is not None:  # a run resuming: refuse a changed model, data or setting
+            for note in resume_checks.check_resume_compatible(state, lm_config.to_dict(), data_fingerprint, train_args):
+                log(f"resume: {note}")
+        # The step label on this GPU count. The data position is samples_consumed, so the label is
+        # the number of this run's global batches that reach it, ceil-divided at an epoch's short
+        # tail: `samples_consumed // global_batch` when it divides. minimind rescales the step
+        # instead, `step * old_ws // new_ws`, which is the same number whenever that division is exact.
+        old_step, state["step"] = state["step"], step_in_epoch(num_samples, state["samples_consumed"], global_batch)
+        if state["global_step"] is None:  # minimind's file does not count the steps of earlier epochs
+            state["global_step"] = state["epoch"] * step_in_epoch(num_samples, num_samples, global_batch) + state["step"]
+        old_ws, new_ws, minimind = state["world_size"], train_args["world_size"], state.get("from_minimind", False)
+        change = f"world size {old_ws} -> {new_ws}: " if old_ws != new_ws else ""
+        exact = "the count only: minimind's order differs" if minimind else "exact"
+        rng = "RNG restored" if len(state["rng"]) == new_ws else "RNG reseeded" + ("" if minimind else " for the new world size")
+        log(f"resumed from {state['resumed_from']}: {change}epoch step {old_step} -> {state['step']}, resuming at "
+            f"sample {state['samples_consumed']} of epoch {state['epoch'] + 1} ({exact}; global step "
+            f"{state['global_step']}, {rng})")
         return state
     rng_states = [capture_rng_state()]
     if dist.is_initialized():
@@ -288,91 +445,43 @@ def lm_checkpoint(lm_config: LMConfig, weight: str = "full_sft", model=None, opt
     error = None
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
-            model = unwrap(model)
             # What a `_resume.pth` holds: everything the next optimizer step depends on.
             state = {
                 "format_version": 1,
-                "model": model.state_dict(),  # FP32 master weights (the out/ file gets an FP16 copy)
-                "optimizer": optimizer.state_dict(),
-                "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
-                "epoch": epoch, "step": step, "global_step": global_step,
+                "model": unwrap(model).state_dict(),  # FP32 master weights (the out/ file gets an FP16 copy)
+                "optimizer": optimizer.state_dict(),  # AdamW's moments and step counts
+                "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,  # fp16 only
+                "epoch": epoch,
                 "samples_consumed": samples_consumed,  # the data position: the one number resume trusts
+                "step": step,  # a label: this run's global batches that reach samples_consumed
+                "global_step": global_step,  # optimizer steps since the run began; trackers log against it
                 "world_size": len(rng_states), "lr": lr,
                 "rng": rng_states,  # one entry per rank: torch, cuda, numpy, python
-                "lm_config": plain(lm_config.to_dict()), "train_args": plain(train_args or {}),
-                "data_fingerprint": plain(data_fingerprint or {}),
-                "anomaly": plain(anomaly_state or {}),
+                # What resume_checks compares, to refuse a resume that would not continue this run:
+                "lm_config": resume_checks.plain(lm_config.to_dict()),
+                "train_args": resume_checks.plain(train_args or {}),  # batch geometry, seed, LR, epochs
+                "data_fingerprint": resume_checks.plain(data_fingerprint or {}),  # size, lines, sampled hash
+                "anomaly": resume_checks.plain(anomaly_state or {}),  # the guard's memory: history, rollbacks
                 "tracker_ids": {"wandb": _tracker_id(wandb, "wandb"), "swanlab": _tracker_id(swanlab, "swanlab")},
             }
-            info = {"epoch": epoch, "global_step": global_step, "samples_consumed": samples_consumed}
+            manifest_info = {"epoch": epoch, "global_step": global_step, "samples_consumed": samples_consumed}
             out_path = Path(save_dir) / f"{files.name}.pth"
-            if saver is None:  # synchronous: copy, write, verify, rotate, then return
-                write_checkpoint_files(files, out_path, StateSnapshot(pin_memory=False).take(state), keep_last, info)
-            else:  # background: only the copy to CPU memory blocks training
-                saver.wait()  # at most one save in flight; its buffers are about to be reused
-                snapshot = saver.snapshot.take(state)
-                saver.submit(lambda: write_checkpoint_files(files, out_path, snapshot, keep_last, info))
+            (saver or BackgroundSaver(background=False, pin_memory=False)).submit(
+                state, lambda copy: checkpoint_io.write_checkpoint_files(files, out_path, copy, keep_last,
+                                                                          manifest_info))
         except Exception as caught:  # re-raised below, after telling the other ranks to stop too
             error = caught
     if dist.is_initialized():  # every rank must stop together if rank 0 could not save
         failed = [error is not None]
         dist.broadcast_object_list(failed, src=0)
         if failed[0] and error is None:
-            raise checkpoint_io.CheckpointError("rank 0 could not save the checkpoint (see its error)")
+            raise CheckpointError("rank 0 could not save the checkpoint (see its error)")
     if error is not None:
         raise error
     return None
 
 
-def write_checkpoint_files(files: checkpoint_io.RunFiles, out_path: Path, state: dict, keep_last: int,
-                           info: dict) -> None:
-    """Write `out/{run}.pth` (FP16) and the verified resume checkpoint from a CPU copy of the state."""
-    weights = cast_state_dict(state["model"], torch.float16)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        checkpoint_io.atomic_write(out_path, lambda f: torch.save(weights, f))
-    except OSError as error:
-        raise checkpoint_io.CheckpointError(f"could not write {out_path}: {error}") from error
-    checkpoint_io.save_verified(files, state, info["global_step"], keep_last, info)
-
-
-def _load_resume_state(files: checkpoint_io.RunFiles, resume_path: str | None, log) -> dict | None:
-    """Rank 0 picks and verifies the checkpoint, shares the choice; every rank loads it."""
-    choice, state = [None], None
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        choice[0], state = _choose_checkpoint(files, resume_path, log)
-    if dist.is_initialized():
-        dist.broadcast_object_list(choice, src=0)
-    if choice[0] is None:
-        return None
-    if state is None:  # the other ranks read the file rank 0 chose and verified
-        state = checkpoint_io.load_trusted(Path(choice[0]))
-    state["resumed_from"] = choice[0]
-    return state
-
-
-def _choose_checkpoint(files: checkpoint_io.RunFiles, resume_path: str | None, log) -> tuple[str | None, dict | None]:
-    """(path, loaded state) of the checkpoint to resume; (None, None) when there is nothing."""
-    if resume_path is None:
-        found = checkpoint_io.newest_good_checkpoint(files, log)
-        if found is None and files.resume_link.is_file():  # a lone file: copied here, or minimind's
-            log(f"{files.resume_link} has no manifest, so its bytes could not be checksum-verified; "
-                f"loading it with weights_only=True")
-            return str(files.resume_link), checkpoint_io.load_trusted(files.resume_link)
-        return (None, None) if found is None else (str(found[0]), found[1])
-    path = Path(resume_path)
-    problem = checkpoint_io.verify(path)
-    if problem:
-        raise checkpoint_io.CheckpointError(f"--resume_path {path} cannot be trusted: {problem}")
-    newer = [p for p in files.history() if p.name > path.name]
-    if newer and path.parent.resolve() == files.history_dir.resolve():
-        # Set newer checkpoints aside (not deleted): otherwise a later --from_resume 1 would jump
-        # back to the abandoned future instead of continuing this branch of the run.
-        aside = files.history_dir / f"discarded_after_{path.stem}"
-        aside.mkdir(exist_ok=True)
-        for p in newer:
-            for f in (p, checkpoint_io.manifest_path(p)):
-                if f.exists():
-                    os.replace(f, aside / f.name)
-        log(f"resuming from {path}; moved the newer checkpoints {', '.join(p.name for p in newer)} to {aside}")
-    return str(path), checkpoint_io.load_trusted(path)
+def _tracker_id(run, name: str) -> str | None:
+    if run is not None and not hasattr(run, "id"):
+        raise TypeError(f"pass the run object returned by {name}.init(), not the {name} module")
+    return None if run is None else str(run.id)

@@ -1,0 +1,68 @@
+"""Reading what a run leaves on disk, for the tools in scripts/ and for the tests.
+
+    status files      read_status (checks the fields every status file has), list_runs
+    resume states     state_differences: two checkpoints compared bit for bit, structure first
+
+The trainer itself only writes these files (trainer/metrics_files.py, trainer/checkpoint_io.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+# The fields every status file has (see trainer/metrics_files.py); readers check for them.
+STATUS_FIELDS = ("job_id", "status", "current_step", "total_steps", "anomaly_detected", "anomaly_reason",
+                 "latest_metrics")
+
+
+def list_runs(metrics_dir: str | Path) -> list[str]:
+    """Names of the runs that have a status file in `metrics_dir`, sorted."""
+    suffix = "_status.json"
+    return sorted(p.name[:-len(suffix)] for p in Path(metrics_dir).glob(f"*{suffix}"))
+
+
+def read_status(path: str | Path) -> dict:
+    """The status object; the file is replaced atomically, so a read never sees half of it.
+
+    Raises ValueError naming the file and the missing fields if it lacks any of STATUS_FIELDS
+    (a file written by an older version of the trainer, or not by the trainer at all).
+    """
+    status = json.loads(Path(path).read_text(encoding="utf-8"))
+    missing = [name for name in STATUS_FIELDS if name not in status]
+    if missing:
+        raise ValueError(f"{path}: not a status file of this trainer, missing {', '.join(missing)}. "
+                         f"Rerun (or resume) the run with this version to rewrite it.")
+    return status
+
+
+# What a resumed run must reproduce bit for bit on the same world size: weights, optimizer, scaler,
+# every rank's RNG and the data position. Tests and scripts/soak_kill.py judge resumes by it.
+TRAINING_STATE_FIELDS = ("model", "optimizer", "scaler", "rng", "epoch", "step", "global_step", "samples_consumed")
+
+
+def state_differences(a, b, where: str = "") -> list[str]:
+    """Every difference between two nested checkpoint values, structure first.
+
+    Dicts must have the same keys and lists the same length before their items are compared, so
+    a truncated optimizer state or a missing RNG entry is a difference, never silently skipped.
+    Tensors must agree in dtype, shape and every element.
+    """
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return [f"{where or 'top level'}: keys differ, only in first {sorted(map(str, a.keys() - b.keys()))}, "
+                    f"only in second {sorted(map(str, b.keys() - a.keys()))}"]
+        return [d for key in a for d in state_differences(a[key], b[key], f"{where}.{key}" if where else str(key))]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{where}: length {len(a)} vs {len(b)}"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in state_differences(x, y, f"{where}[{i}]")]
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return [f"{where}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"]
+        return [] if torch.equal(a, b) else [f"{where}: values differ"]
+    if type(a) is not type(b) or a != b:
+        return [f"{where}: {a!r} vs {b!r}"]
+    return []

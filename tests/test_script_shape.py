@@ -1,0 +1,61 @@
+"""The shape a learner relies on: each script carries its whole loop, and the two differ only where
+pretraining and SFT differ (the lines marked `# stage`); imports point one way."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from conftest import REPO
+
+SCRIPTS = ("train_pretrain.py", "train_full_sft.py")
+
+
+def common_text(script: str) -> list[str]:
+    """The script without its module docstring and without the lines marked `# stage`."""
+    source = (REPO / "trainer" / script).read_text(encoding="utf-8")
+    docstring_end = ast.parse(source).body[0].end_lineno
+    body = source.splitlines()[docstring_end:]
+    return [line for line in body if not re.search(r"# stage\b", line)]
+
+
+def test_the_two_scripts_are_identical_apart_from_the_lines_marked_stage():
+    pretrain, sft = (common_text(script) for script in SCRIPTS)
+    assert pretrain == sft, "\n".join(f"{a!r} != {b!r}" for a, b in zip(pretrain, sft) if a != b)[:3000]
+
+
+def test_each_script_writes_out_the_step_the_save_and_the_sampler():
+    for script in SCRIPTS:
+        text = (REPO / "trainer" / script).read_text(encoding="utf-8")
+        for piece in ("SkipBatchSampler(", "model.no_sync()", ".backward()", "clip_grad_norm_(", "guard.verdict(",
+                      "scaler.step(optimizer)", "lm_checkpoint(", "get_lr("):
+            assert piece in text, f"{script} does not contain {piece}"
+        sections = re.findall(r"# ---- (\d+)\. ", text)
+        assert sections == [str(i) for i in range(1, len(sections) + 1)] and len(sections) >= 8, sections
+        assert len(text.splitlines()) <= 300, f"{script} has {len(text.splitlines())} lines"
+
+
+def imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return names
+
+
+def test_imports_point_one_way_scripts_then_trainer_utils_then_hardening_then_model_and_dataset():
+    hardening = [p for p in (REPO / "trainer").glob("*.py")
+                 if p.name not in (*SCRIPTS, "trainer_utils.py", "train_tokenizer.py", "__init__.py")]
+    for path in hardening:  # a hardening module is read on its own: it never reaches back up
+        up = {m for m in imported_modules(path) if m in ("trainer.trainer_utils", *(f"trainer.{s[:-3]}" for s in SCRIPTS))}
+        assert not up, f"{path.name} imports {up}"
+    for folder in ("model", "dataset"):
+        for path in (REPO / folder).glob("*.py"):
+            wrong = {m for m in imported_modules(path) if m.split(".")[0] in ("trainer", "scripts")}
+            assert not wrong, f"{folder}/{path.name} imports {wrong}"
+    for path in (REPO / "model").glob("*.py"):
+        assert not {m for m in imported_modules(path) if m.startswith("dataset")}, f"model/{path.name} imports dataset/"

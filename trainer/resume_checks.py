@@ -1,0 +1,136 @@
+"""Refusing a resume that would not continue the run, and reading minimind's resume files.
+
+A resumed run continues exactly only if what shapes the next step is unchanged: the model config,
+the data file and the settings that decide which samples form a step and how the LR curve looks.
+`check_resume_compatible` refuses a change it cannot honour with a diff naming each field, and says
+what it adapted otherwise (a new world size under a fixed --global_batch_size). Called once, from
+`lm_checkpoint`'s load branch in trainer_utils.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+# Settings that change which samples form a step or how the run's LR curve looks. Refused when
+# they differ on resume (world size may change; batch geometry is checked separately).
+FIXED_TRAINING_ARGS = ("epochs", "seed", "max_seq_len", "learning_rate", "warmup_ratio", "grad_clip",
+                       "system_prompt_ratio", "drop_empty_think_ratio")  # the last two: SFT only
+
+
+class ConfigError(ValueError):
+    """A flag, weights file or checkpoint that does not fit this run: the user's to fix, no traceback."""
+
+
+class ResumeMismatch(ConfigError):
+    """The checkpoint was made for another model, data file or training setup."""
+
+
+def resume_settings(args, accumulation: int, world_size: int) -> dict:
+    """The settings a checkpoint records and a resume compares (`train_args` in `_resume.pth`)."""
+    return {"batch_size": args.batch_size, "accumulation_steps": accumulation,
+            "global_batch_size": args.global_batch_size, "world_size": world_size,
+            **{k: getattr(args, k, None) for k in FIXED_TRAINING_ARGS}}
+
+
+def plain(value):
+    """Settings as plain types for the checkpoint (weights_only loading accepts only those)."""
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+# ---- data fingerprint ---------------------------------------------------------------------
+
+def data_fingerprint(source, sampled_lines: int = 64) -> dict:
+    """Identify a JSONL file cheaply: size, line count and a hash of evenly spaced raw lines.
+
+    `source` is the dataset's indexed JSONL file (it knows the line offsets, so no extra pass).
+    The path is recorded for the reader but not compared: a moved file is still the same data.
+    """
+    count = len(source)
+    digest = hashlib.sha256()
+    for i in sorted({(k * count) // sampled_lines for k in range(min(sampled_lines, count))}):
+        digest.update(source.raw_line(i))
+    return {"path": str(source.path), "size": int(source.file_size), "lines": count,
+            "sample_sha256": digest.hexdigest()}
+
+
+# ---- compatibility ------------------------------------------------------------------------
+
+def _diff(kind: str, saved: dict, current: dict, keys) -> list[str]:
+    return [f"  {kind}.{key}: checkpoint has {saved.get(key)!r}, this run has {current.get(key)!r}"
+            for key in keys if saved.get(key) != current.get(key)]
+
+
+def check_resume_compatible(saved: dict, lm_config: dict, fingerprint: dict, train_args: dict) -> list[str]:
+    """Raise ResumeMismatch listing every field that differs; return notes on what was adapted.
+
+    `train_args` holds batch_size, accumulation_steps, global_batch_size (the requested one or
+    None), world_size and FIXED_TRAINING_ARGS of the current run.
+    """
+    problems = _diff("model", saved["lm_config"], lm_config, sorted(set(saved["lm_config"]) | set(lm_config)))
+    problems += _diff("data", saved["data_fingerprint"], fingerprint, ("size", "lines", "sample_sha256"))
+    old = saved["train_args"]
+    problems += _diff("args", old, train_args, FIXED_TRAINING_ARGS)
+    notes = []
+    if old["global_batch_size"] is not None or train_args["global_batch_size"] is not None:
+        # A fixed global batch makes every step the same set of samples, whatever the split.
+        problems += _diff("args", old, train_args, ("global_batch_size",))
+        if old["batch_size"] != train_args["batch_size"] or old["world_size"] != train_args["world_size"]:
+            notes.append(f"global batch {train_args['global_batch_size']} kept: batch_size x world_size x "
+                         f"accumulation {old['batch_size']}x{old['world_size']}x{old['accumulation_steps']} -> "
+                         f"{train_args['batch_size']}x{train_args['world_size']}x{train_args['accumulation_steps']}")
+    else:
+        problems += _diff("args", old, train_args, ("batch_size", "accumulation_steps"))
+        if old["world_size"] != train_args["world_size"]:
+            notes.append(f"global batch changes with the world size: "
+                         f"{old['batch_size'] * old['world_size'] * old['accumulation_steps']} -> "
+                         f"{train_args['batch_size'] * train_args['world_size'] * train_args['accumulation_steps']} "
+                         f"samples per step (pass --global_batch_size to keep it fixed)")
+    if problems:
+        raise ResumeMismatch(
+            "cannot resume: the checkpoint was made with other settings:\n" + "\n".join(problems) +
+            "\nRun with the checkpoint's settings, or start a new run (another --save_weight or "
+            "--checkpoint_dir) instead of --from_resume 1.")
+    return notes
+
+
+# ---- minimind's resume files ----------------------------------------------------------------
+
+MINIMIND_KEYS = {"model", "optimizer", "epoch", "step", "world_size"}
+
+
+def is_minimind_layout(state: dict) -> bool:
+    """minimind's `lm_checkpoint` writes model (fp16), optimizer, epoch, step, world_size, wandb_id."""
+    return MINIMIND_KEYS <= set(state) and "samples_consumed" not in state
+
+
+def from_minimind_layout(raw: dict, lm_config, fingerprint: dict, train_args: dict, num_samples: int,
+                         log) -> dict:
+    """This project's resume state from a minimind one: weights, optimizer, epoch and position kept.
+
+    minimind's `step` counts the micro-batches each rank had taken in the epoch, so the samples
+    consumed are step x batch_size x world_size (with this run's --batch_size: minimind does not save
+    its own). What minimind does not record cannot be restored, and the log says so.
+    """
+    batch_size = train_args["batch_size"]
+    samples = min(int(raw["step"]) * batch_size * int(raw["world_size"]), num_samples)
+    log(f"resume: {raw['resumed_from']} is a minimind resume file: weights (fp16 -> fp32), optimizer, epoch "
+        f"{int(raw['epoch']) + 1} and {samples} samples consumed (step {raw['step']} x batch_size "
+        f"{batch_size} x world size {raw['world_size']}) are restored. Not restored: the exact sample "
+        f"cursor (minimind's data order differs, so which samples of this epoch were trained is unknown), the "
+        f"RNG states, and the checks of model config, data and settings (the weights still load strictly)")
+    return {
+        "model": {name: t.float() for name, t in raw["model"].items()},
+        "optimizer": raw["optimizer"], "scaler": raw.get("scaler"),
+        "epoch": int(raw["epoch"]), "samples_consumed": samples, "step": int(raw["step"]),
+        "global_step": None,  # not recorded: lm_checkpoint counts it from the position
+        "world_size": int(raw["world_size"]), "rng": [],  # no RNG states: every rank keeps its fresh seed
+        "lm_config": lm_config.to_dict(), "data_fingerprint": fingerprint, "train_args": train_args,
+        "tracker_ids": {"wandb": raw.get("wandb_id"), "swanlab": None}, "resumed_from": raw["resumed_from"],
+        "anomaly": {}, "from_minimind": True,
+    }

@@ -1,0 +1,152 @@
+"""Where a run's numbers go: the console, the metrics and status files, wandb, SwanLab, the debug trace.
+
+The loop calls one object, `Tracker`, directly: `step` after every optimizer step, `log(metrics,
+step, total_steps)` at log steps, and `validation`, `anomaly`, `rollback`, `saved`, `finish` when
+those happen. Rank 0 fans each call out to the backends --logger asks for; every rank writes its own
+lines of the --save_debug_train_output trace. Every metric is logged against `step` = the optimizer
+step, the same number on every backend, so the curves of a resumed run continue where they stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from trainer.metrics_files import MetricsFileWriter
+
+# Dense bf16 peak of common GPUs (TFLOPS), for MFU = achieved / peak model FLOPs.
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "4090": 165.0, "A10": 125.0}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The GPU's dense bf16 peak in FLOP/s if it is a known model, else None (MFU is then not logged)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((tflops * 1e12 for key, tflops in PEAK_BF16_TFLOPS.items() if key in name), None)
+
+
+def flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_len: int) -> float:
+    """FLOPs of one forward + backward per token (the usual estimate, as in PaLM's appendix B).
+
+    6 * params: every weight does one multiply-add (2 FLOPs) per token forward and two backward.
+    The tied embedding counts once: its lookup is free, its use as lm_head is a real matmul.
+    12 * layers * hidden * seq: attention scores (Q K^T) and the weighted sum (A V), 2 * seq * hidden
+    FLOPs each per token forward, times 3 for forward + backward. Counted for the full square even
+    though causal attention could skip half of it, which is the common convention.
+    """
+    return 6 * num_params + 12 * num_layers * hidden_size * seq_len
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m{seconds % 60:02d}s"
+
+
+class Tracker:
+    """One run's outputs. `runs` holds the wandb/SwanLab run objects (their ids go into checkpoints)."""
+
+    def __init__(self, args, name: str, is_main: bool, device: torch.device, *, start_step: int,
+                 total_steps: int, tracker_ids: dict, model_flops_per_token: float):
+        loggers = set(args.logger.split(",")) if is_main else set()
+        loggers |= {"wandb"} if is_main and args.use_wandb else set()
+        loggers |= {"swanlab"} if is_main and args.use_swanlab else set()
+        self.is_main, self.device, self.epochs, self.console = is_main, device, args.epochs, "console" in loggers
+        self.files = MetricsFileWriter(args.metrics_dir or args.save_dir, name) if "file" in loggers else None
+        self.runs = {}
+        for backend in ("wandb", "swanlab"):  # the two clients share this API: init, log(dict, step=), finish
+            if backend in loggers:
+                client, run_id = __import__(backend), tracker_ids.get(backend)
+                self.runs[backend] = client.init(project=args.wandb_project, name=name, config=dict(vars(args)),
+                                                 id=run_id, resume="allow" if run_id else None)
+        self.trace = None
+        if args.save_debug_train_output:
+            Path(args.save_debug_train_output).parent.mkdir(parents=True, exist_ok=True)
+            # Ranks append to one file with single write() calls of whole lines (O_APPEND keeps them intact).
+            self.trace = os.open(args.save_debug_train_output, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self.peak = peak_flops(device)
+        self.flops_per_token = model_flops_per_token
+        self.started = self.last_log = time.perf_counter()
+        self.current_step = self.last_log_step = start_step
+        self.steps_done, self.tokens, self.saves, self.save_blocked_s = 0, 0, 0, 0.0
+        if self.files is not None:
+            self.files.begin(start_step, total_steps)
+
+    def step(self, record: dict, tokens: int) -> None:
+        """After every optimizer step, on every rank: the trace line, and the tokens for tokens/s."""
+        if self.trace is not None:
+            os.write(self.trace, (json.dumps(record) + "\n").encode("utf-8"))
+        self.current_step, self.steps_done, self.tokens = record["step"], self.steps_done + 1, self.tokens + tokens
+
+    def log(self, metrics: dict, step: int, total_steps: int) -> None:
+        """Training metrics of `step`, plus the throughput since the previous log (rank 0 sends them)."""
+        now = time.perf_counter()
+        since, steps = now - self.last_log, max(step - self.last_log_step, 1)
+        metrics = {"step": step, **metrics, "tokens_per_s": self.tokens / max(since, 1e-9),
+                   "step_time_s": since / steps, "save_blocked_s": self.save_blocked_s,
+                   "eta_s": (total_steps - step) * (now - self.started) / max(self.steps_done, 1)}
+        if self.device.type == "cuda":
+            metrics["peak_mem_GiB"] = torch.cuda.max_memory_allocated() / 2**30
+            if self.peak is not None:
+                metrics["mfu"] = self.flops_per_token * metrics["tokens_per_s"] / (self.peak * self._world_size())
+        self.last_log, self.last_log_step, self.tokens = now, step, 0
+        if self.console:
+            print(f"epoch {metrics['epoch'] + 1}/{self.epochs} step {step} ({total_steps - step} to go) "
+                  f"loss {metrics['loss']:.4f} lr {metrics['lr']:.2e} grad_norm {metrics['grad_norm']:.3f} "
+                  f"{metrics['tokens_per_s']:.0f} tok/s ETA {format_duration(metrics['eta_s'])}", flush=True)
+        if self.files is not None:
+            self.files.log(metrics, total_steps)
+        for run in self.runs.values():
+            run.log({f"train/{k}": v for k, v in metrics.items() if k != "step"}, step=step)
+
+    def validation(self, step: int, loss: float) -> None:
+        if self.console:
+            print(f"validation at step {step}: val/loss {loss:.4f}", flush=True)
+        if self.files is not None:
+            self.files.validation(step, loss)
+        for run in self.runs.values():
+            run.log({"val/loss": loss}, step=step)
+
+    def anomaly(self, step: int, reason: str) -> None:
+        if self.files is not None:
+            self.files.anomaly(step, reason)
+
+    def rollback(self, step: int, total_steps: int) -> None:
+        """Back at checkpoint `step`: the steps after it will be logged again."""
+        self.current_step = step
+        if self.files is not None:
+            self.files.rollback(step, total_steps)
+
+    def saved(self, blocked_s: float) -> None:
+        """A save blocked training for `blocked_s` (the write itself may go on in the background)."""
+        self.saves, self.save_blocked_s = self.saves + 1, self.save_blocked_s + blocked_s
+
+    def finish(self, status: str) -> None:
+        """`status`: completed, stopped or failed. Closes every backend."""
+        if self.is_main and status != "failed":
+            elapsed = max(time.perf_counter() - self.started, 1e-9)
+            print(f"{self.saves} saves blocked training for {self.save_blocked_s:.3f} s "
+                  f"({100 * self.save_blocked_s / elapsed:.2f}% of this run's time)", flush=True)
+        if self.files is not None:
+            self.files.finish(status, self.current_step)
+        for backend, run in self.runs.items():
+            run.finish(**({"exit_code": 0 if status != "failed" else 1} if backend == "wandb" else {}))
+        self.runs = {}
+        if self.trace is not None:
+            os.close(self.trace)
+            self.trace = None
+
+    def __enter__(self) -> "Tracker":
+        return self
+
+    def __exit__(self, error_type, error, traceback) -> None:
+        if error is not None:  # the status file and the tracker runs say the run failed
+            self.finish("failed")
+
+    @staticmethod
+    def _world_size() -> int:
+        return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
