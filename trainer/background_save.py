@@ -100,7 +100,8 @@ class BackgroundSaver:
     def _buffer(self, path: str, like: torch.Tensor) -> torch.Tensor:
         buffer = self.buffers.get(path)
         if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
-            buffer = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=self.pin_memory and like.is_cuda)
+            pinned = self.pin_memory and like.is_cuda
+            buffer = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=pinned)
             self.buffers[path] = buffer
         return buffer
 

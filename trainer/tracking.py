@@ -1,4 +1,5 @@
-"""Where a run's numbers go: the console, the metrics and status files, wandb, SwanLab, the debug trace.
+"""Where a run's numbers go: the console, the metrics and status files, wandb, SwanLab, the debug trace;
+and the validation loss.
 
 The loop calls one object, `Tracker`, directly: `step` after every optimizer step, `log(metrics,
 step, total_steps)` at log steps, and `validation`, `anomaly`, `rollback`, `saved`, `finish` when
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from trainer.metrics_files import MetricsFileWriter
 
@@ -45,6 +47,26 @@ def flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_len:
 def format_duration(seconds: float) -> str:
     seconds = int(max(seconds, 0))
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m{seconds % 60:02d}s"
+
+
+@torch.no_grad()
+def validation_loss(model: torch.nn.Module, dataset, batch_size: int, device: torch.device, autocast) -> float:
+    """Mean loss per token over the whole validation file; each rank takes every world_size-th sample."""
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, token count
+    indices = list(range(rank, len(dataset), world_size))
+    for start in range(0, len(indices), batch_size):
+        rows = [dataset[i] for i in indices[start:start + batch_size]]
+        labels = torch.stack([r[1] for r in rows]).to(device)
+        with autocast:
+            totals[0] += model(torch.stack([r[0] for r in rows]).to(device), labels=labels,
+                               loss_reduction="sum").loss.double()
+        totals[1] += (labels[:, 1:] != -100).sum()
+    if dist.is_initialized():
+        dist.all_reduce(totals)
+    model.train()
+    return (totals[0] / totals[1].clamp(min=1)).item()
 
 
 class Tracker:
@@ -149,4 +171,4 @@ class Tracker:
 
     @staticmethod
     def _world_size() -> int:
-        return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        return dist.get_world_size() if dist.is_initialized() else 1

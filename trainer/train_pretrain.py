@@ -36,12 +36,12 @@ from trainer.anomaly import AnomalyGuard, AnomalyStop, install_debug_injection
 from trainer.background_save import BackgroundSaver, finish_saves
 from trainer.resume_checks import data_fingerprint, resume_settings
 from trainer.stopping import StopRequest, continue_command
-from trainer.tracking import Tracker, flops_per_token
-from trainer.trainer_utils import (REPO_ROOT, IndexedDataset, Logger, SkipBatchSampler, add_operator_flags,
+from trainer.tracking import Tracker, flops_per_token, validation_loss
+from trainer.trainer_utils import (REPO_ROOT, IndexedDataset, SkipBatchSampler, add_operator_flags,
                                    cleanup_distributed, epoch_order, get_lr, init_distributed, init_model,
-                                   lm_checkpoint, model_config, resolve_accumulation, restore_training_state,
-                                   run_name, run_script, setup_seed, step_in_epoch, step_numbers, steps_left,
-                                   unwrap, validation_loss)
+                                   lm_checkpoint, model_config, rank0_logger, resolve_accumulation,
+                                   restore_training_state, run_name, run_script, setup_seed, step_in_epoch,
+                                   step_numbers, steps_left, unwrap)
 
 
 def parse_args() -> argparse.Namespace:
@@ -90,7 +90,7 @@ def main() -> None:
     # ---- 2. Distributed init: one process, or one per GPU (or CPU rank) under torchrun -----------
     dist_info = init_distributed(args.device)
     rank, world_size, device = dist_info.rank, dist_info.world_size, dist_info.device
-    log = Logger(dist_info.is_main)
+    log = rank0_logger(dist_info.is_main)
     setup_seed(args.seed)  # identical initial weights on every rank
 
     # ---- 3. Data and batch geometry: the files are indexed and checked before any training ------
@@ -102,20 +102,21 @@ def main() -> None:
                                                       args.global_batch_size)
     fingerprint, settings = data_fingerprint(train_ds.source), resume_settings(args, accumulation, world_size)
 
-    # ---- 4. Model and optimizer: FP32 master weights; bf16 (or fp16 + GradScaler) autocast on CUDA
+    # ---- 4. Model and optimizer: weights from the checkpoint to resume, from --from_weight, or random -
     lm_config = model_config(args, tokenizer.get_vocab_size())
+    resuming = bool(args.from_resume or args.resume_path)
 
     def newest_checkpoint(resume_path: str | None = None) -> dict | None:  # for --from_resume and rollbacks
         return lm_checkpoint(lm_config, weight=args.save_weight, checkpoint_dir=args.checkpoint_dir,
                              resume_path=resume_path, num_samples=n, global_batch=global_batch,
                              data_fingerprint=fingerprint, train_args=settings, log=log)
 
-    state = newest_checkpoint(args.resume_path) if args.from_resume or args.resume_path else None
-    if (args.from_resume or args.resume_path) and state is None:
+    state = newest_checkpoint(args.resume_path) if resuming else None  # None: start fresh
+    if resuming and state is None:
         log(f"--from_resume 1: no checkpoint of {run_name(args.save_weight, lm_config)} in "
             f"{args.checkpoint_dir}; starting fresh")
     model, lm_config = init_model(args, lm_config, log, from_weight=state is None)  # a resume brings its own
-    model.to(device)
+    model.to(device)  # FP32 master weights; bf16 (or fp16 + GradScaler) autocast on CUDA, fp32 on CPU
     use_cuda = device.type == "cuda"
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.01, fused=use_cuda)
     dtype = getattr(torch, args.dtype)
@@ -226,7 +227,8 @@ def main() -> None:
                         raise AnomalyStop(f"{reason}; no checkpoint to roll back to yet (lower --save_interval)")
                     guard.plan_rollback(epoch, samples_consumed)
                     restore_training_state(state, model, optimizer, scaler, rank, world_size)
-                    epoch, samples_consumed, global_step = state["epoch"], state["samples_consumed"], state["global_step"]
+                    epoch, samples_consumed = state["epoch"], state["samples_consumed"]
+                    global_step = state["global_step"]
                     log(f"rollback {guard.rollbacks}/{guard.max_rollbacks}: back to step {global_step}; lr scale "
                         f"now {guard.lr_scale:g}")
                     tracker.rollback(global_step, total_steps())
@@ -234,21 +236,23 @@ def main() -> None:
 
                 # ---- after the step: the trace, the position, logs, validation, the save ----
                 trained = [int(i) for indices, _, _ in micro_batches for i in indices if i >= 0]
+                local_loss = numbers["local_loss_sum"] / max(numbers["local_tokens"], 1)
                 record = {"step": global_step + 1, "epoch": epoch, "rank": rank, "world_size": world_size,
-                          "samples": trained if action == "apply" else [], "loss": numbers["local_loss_sum"] / max(
-                              numbers["local_tokens"], 1), "loss_sum": numbers["local_loss_sum"],
-                          "local_tokens": numbers["local_tokens"], "global_loss": numbers["loss"],
-                          "grad_norm": numbers["grad_norm"], "lr": lr}
+                          "samples": trained if action == "apply" else [], "loss": local_loss,
+                          "loss_sum": numbers["local_loss_sum"], "local_tokens": numbers["local_tokens"],
+                          "global_loss": numbers["loss"], "grad_norm": numbers["grad_norm"], "lr": lr}
                 if action != "apply":
                     record.update(skipped=True, skipped_samples=trained, anomaly=reason)
                 tracker.step(record, numbers["input_tokens"])
-                samples_consumed, global_step, steps_this_run = samples_consumed + window, global_step + 1, steps_this_run + 1
+                samples_consumed, global_step = samples_consumed + window, global_step + 1
+                steps_this_run += 1
                 epoch_done = samples_consumed == n
                 if epoch_done:
                     epoch, samples_consumed = epoch + 1, 0
                 if global_step % args.log_interval == 0 or epoch_done:
-                    tracker.log({"epoch": record["epoch"], "samples_consumed": samples_consumed, "loss": numbers["loss"],
-                                 "lr": lr, "grad_norm": numbers["grad_norm"]}, global_step, total_steps())
+                    tracker.log({"epoch": record["epoch"], "samples_consumed": samples_consumed,
+                                 "loss": numbers["loss"], "lr": lr, "grad_norm": numbers["grad_norm"]},
+                                global_step, total_steps())
                 if val_ds is not None and (global_step % args.eval_interval == 0 or epoch == args.epochs):
                     tracker.validation(global_step, validation_loss(unwrap(model), val_ds, args.batch_size, device,
                                                                     autocast))
@@ -263,8 +267,8 @@ def main() -> None:
                                   keep_last=args.keep_last, swanlab=tracker.runs.get("swanlab"), saver=saver)
                     tracker.saved(time.perf_counter() - started)  # only the time it blocked training
                     if args.save_hf and dist_info.is_main:
-                        export_hf(unwrap(model).state_dict(), lm_config,
-                                  Path(args.save_dir) / f"{run_name(args.save_weight, lm_config)}_hf", args.tokenizer_path)
+                        hf_dir = Path(args.save_dir) / f"{run_name(args.save_weight, lm_config)}_hf"
+                        export_hf(unwrap(model).state_dict(), lm_config, hf_dir, args.tokenizer_path)
                 if stopping:
                     status = "stopped"
                     break

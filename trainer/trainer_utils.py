@@ -3,13 +3,13 @@
     1. running         REPO_ROOT, expected errors (one line, exit 2), distributed init/teardown, logger, seeds
     2. schedule        get_lr (follows the position in the data), batch geometry
     3. data order      samples_consumed -> SkipBatchSampler: which samples each rank trains, in what order
-    4. model           the model from flags or from --from_weight's file; validation loss
+    4. model           the model from flags or from --from_weight's file; the step's numbers on the host
     5. checkpoints     lm_checkpoint: the commented `_resume.pth` dict on save; on load, the state and
                        the step label rescaled to this run's GPU count
 
 Production hardening sits behind one call each, in modules you may skip: checkpoint_io.py (atomic,
 hashed, rotated files), background_save.py (write while training goes on), resume_checks.py (refuse a
-resume that changed the model, data or settings), anomaly.py, tracking.py, stopping.py.
+resume that changed the model, data or settings), anomaly.py, tracking.py (and validation), stopping.py.
 """
 
 from __future__ import annotations
@@ -96,11 +96,9 @@ def init_distributed(device_flag: str) -> DistInfo:
 def cleanup_distributed(exit_code: int = 0) -> None:
     """Tear the process group down; under torchrun, then end the process at once with `exit_code`.
 
-    The DDP wrapper must be gone first (its reducer holds gloo/nccl work: destroyed after the group
-    it can abort the process), hence the garbage collection. And with gloo, C++ worker threads can
-    still run when the interpreter finalizes and abort it ("terminate called without an active
-    exception") after training succeeded; once every rank passed the barrier there is nothing left
-    to clean up, so the process exits directly.
+    The DDP wrapper must be collected first: its reducer holds gloo/nccl work that aborts the process
+    if destroyed after the group. And gloo's C++ threads can abort the interpreter at exit ("terminate
+    called without an active exception") after a good run; past the barrier nothing is left to clean.
     """
     gc.collect()
     if not dist.is_initialized():
@@ -112,15 +110,9 @@ def cleanup_distributed(exit_code: int = 0) -> None:
     os._exit(exit_code)
 
 
-class Logger:
-    """Prints on rank 0 only, flushed, so torchrun's interleaved output stays readable."""
-
-    def __init__(self, is_main: bool):
-        self.is_main = is_main
-
-    def __call__(self, message: str) -> None:
-        if self.is_main:
-            print(message, flush=True)
+def rank0_logger(is_main: bool) -> Callable[[str], None]:
+    """`log(message)`: printed on rank 0 only, flushed, so torchrun's interleaved output stays readable."""
+    return (lambda message: print(message, flush=True)) if is_main else (lambda message: None)
 
 
 def setup_seed(seed: int) -> None:
@@ -138,7 +130,8 @@ def add_operator_flags(parser: argparse.ArgumentParser) -> None:
     a("--keep_last", type=int, default=2, help="verified checkpoints to keep")
     a("--async_save", type=int, default=1, choices=(0, 1),
       help="1: copy the state to CPU memory and write it in a background thread; 0: write before continuing")
-    a("--intermediate_size", type=int, default=None, help="SwiGLU width (default: from --from_weight, else the model's)")
+    a("--intermediate_size", type=int, default=None,
+      help="SwiGLU width (default: from --from_weight, else the model's)")
     a("--num_experts", type=int, default=None, help="MoE experts (default: from --from_weight, else the model's)")
     a("--num_experts_per_tok", type=int, default=None, help="MoE top-k (default: the model's)")
     a("--save_debug_train_output", default=None,
@@ -320,33 +313,9 @@ def run_name(weight: str, lm_config: LMConfig) -> str:
     return f"{weight}_{lm_config.hidden_size}{'_moe' if lm_config.use_moe else ''}"
 
 
-@torch.no_grad()
-def validation_loss(model: torch.nn.Module, dataset, batch_size: int, device: torch.device, autocast) -> float:
-    """Mean loss per token over the whole validation file; each rank takes every world_size-th sample."""
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, token count
-    indices = list(range(rank, len(dataset), world_size))
-    for start in range(0, len(indices), batch_size):
-        rows = [dataset[i] for i in indices[start:start + batch_size]]
-        labels = torch.stack([r[1] for r in rows]).to(device)
-        with autocast:
-            totals[0] += model(torch.stack([r[0] for r in rows]).to(device), labels=labels,
-                               loss_reduction="sum").loss.double()
-        totals[1] += (labels[:, 1:] != -100).sum()
-    if dist.is_initialized():
-        dist.all_reduce(totals)
-    model.train()
-    return (totals[0] / totals[1].clamp(min=1)).item()
-
-
 def step_numbers(loss_sum: torch.Tensor, global_tokens: torch.Tensor, local_tokens: torch.Tensor,
                  grad_norm: torch.Tensor, *, input_tokens: int, stop: bool, save_failed: bool) -> dict:
-    """The numbers of one optimizer step on the host, with one small all-reduce and one device sync.
-
-    The global loss sum, whether any rank was asked to stop or failed to save, and the input tokens
-    travel together; then everything comes to the host at once (`.tolist()` waits for the GPU).
-    """
+    """One optimizer step's numbers on the host: one small all-reduce, then one device sync (`.tolist()`)."""
     flags = torch.tensor([float(stop), float(input_tokens), float(save_failed)], dtype=torch.float64)
     shared = torch.cat([loss_sum.view(1), flags.to(loss_sum.device, non_blocking=True)])  # a copy: loss_sum stays local
     if dist.is_initialized():
@@ -405,12 +374,10 @@ def lm_checkpoint(lm_config: LMConfig, weight: str = "full_sft", model=None, opt
     """Save a checkpoint (when `model` is given) or load the newest good one (when it is not).
 
     The positional parameters are minimind's; the keywords after `*` are what exact resume adds.
-    Saving is called on every rank (it gathers each rank's RNG state); rank 0 writes, through `saver`
-    (in the background, if it is one that does) or at once. `samples_consumed` is the data position;
-    `step` (optimizer steps into the epoch) is only a label derived from it.
-
+    Saving runs on every rank (it gathers each rank's RNG state); rank 0 writes, through `saver`.
     Loading returns the newest checkpoint that verifies (or `resume_path`'s), checked against this
-    run's `lm_config`, `data_fingerprint` and `train_args`; None if the run has none.
+    run's `lm_config`, `data_fingerprint` and `train_args`, its step label for `global_batch`; None
+    if the run has none.
     """
     files = checkpoint_io.RunFiles(Path(checkpoint_dir), run_name(weight, lm_config))
     if model is None:
@@ -429,11 +396,13 @@ def lm_checkpoint(lm_config: LMConfig, weight: str = "full_sft", model=None, opt
         # instead, `step * old_ws // new_ws`, which is the same number whenever that division is exact.
         old_step, state["step"] = state["step"], step_in_epoch(num_samples, state["samples_consumed"], global_batch)
         if state["global_step"] is None:  # minimind's file does not count the steps of earlier epochs
-            state["global_step"] = state["epoch"] * step_in_epoch(num_samples, num_samples, global_batch) + state["step"]
+            steps_per_epoch = step_in_epoch(num_samples, num_samples, global_batch)
+            state["global_step"] = state["epoch"] * steps_per_epoch + state["step"]
         old_ws, new_ws, minimind = state["world_size"], train_args["world_size"], state.get("from_minimind", False)
         change = f"world size {old_ws} -> {new_ws}: " if old_ws != new_ws else ""
         exact = "the count only: minimind's order differs" if minimind else "exact"
-        rng = "RNG restored" if len(state["rng"]) == new_ws else "RNG reseeded" + ("" if minimind else " for the new world size")
+        rng = "RNG restored" if len(state["rng"]) == new_ws else (
+            "RNG reseeded" + ("" if minimind else " for the new world size"))
         log(f"resumed from {state['resumed_from']}: {change}epoch step {old_step} -> {state['step']}, resuming at "
             f"sample {state['samples_consumed']} of epoch {state['epoch'] + 1} ({exact}; global step "
             f"{state['global_step']}, {rng})")
