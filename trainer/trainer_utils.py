@@ -380,40 +380,13 @@ def lm_checkpoint(lm_config: LMConfig, weight: str = "full_sft", model=None, opt
     if the run has none.
     """
     files = checkpoint_io.RunFiles(Path(checkpoint_dir), run_name(weight, lm_config))
-    if model is None:
-        state = checkpoint_io.load_newest(files, resume_path, log)
-        if state is None or num_samples is None or global_batch is None:  # minimind's call: the state as saved
-            return state
-        train_args = train_args or {"world_size": state["world_size"]}
-        if resume_checks.is_minimind_layout(state):  # minimind's file has no cursor: a position from its step
-            state = resume_checks.from_minimind_layout(state, lm_config, data_fingerprint, train_args, num_samples, log)
-        if data_fingerprint is not None:  # a run resuming: refuse a changed model, data or setting
-            for note in resume_checks.check_resume_compatible(state, lm_config.to_dict(), data_fingerprint, train_args):
-                log(f"resume: {note}")
-        # The step label on this GPU count. The data position is samples_consumed, so the label is
-        # the number of this run's global batches that reach it, ceil-divided at an epoch's short
-        # tail: `samples_consumed // global_batch` when it divides. minimind rescales the step
-        # instead, `step * old_ws // new_ws`, which is the same number whenever that division is exact.
-        old_step, state["step"] = state["step"], step_in_epoch(num_samples, state["samples_consumed"], global_batch)
-        if state["global_step"] is None:  # minimind's file does not count the steps of earlier epochs
-            steps_per_epoch = step_in_epoch(num_samples, num_samples, global_batch)
-            state["global_step"] = state["epoch"] * steps_per_epoch + state["step"]
-        old_ws, new_ws, minimind = state["world_size"], train_args["world_size"], state.get("from_minimind", False)
-        change = f"world size {old_ws} -> {new_ws}: " if old_ws != new_ws else ""
-        exact = "the count only: minimind's order differs" if minimind else "exact"
-        rng = "RNG restored" if len(state["rng"]) == new_ws else (
-            "RNG reseeded" + ("" if minimind else " for the new world size"))
-        log(f"resumed from {state['resumed_from']}: {change}epoch step {old_step} -> {state['step']}, resuming at "
-            f"sample {state['samples_consumed']} of epoch {state['epoch'] + 1} ({exact}; global step "
-            f"{state['global_step']}, {rng})")
-        return state
-    rng_states = [capture_rng_state()]
-    if dist.is_initialized():
-        rng_states = [None] * dist.get_world_size()
-        dist.all_gather_object(rng_states, capture_rng_state())
-    error = None
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        try:
+    if model is not None:  # Save
+        rng_states = [capture_rng_state()]
+        if dist.is_initialized():
+            rng_states = [None] * dist.get_world_size()
+            dist.all_gather_object(rng_states, capture_rng_state())
+        error = None
+        if not dist.is_initialized() or dist.get_rank() == 0:
             # What a `_resume.pth` holds: everything the next optimizer step depends on.
             state = {
                 "format_version": 1,
@@ -433,21 +406,54 @@ def lm_checkpoint(lm_config: LMConfig, weight: str = "full_sft", model=None, opt
                 "anomaly": resume_checks.plain(anomaly_state or {}),  # the guard's memory: history, rollbacks
                 "tracker_ids": {"wandb": _tracker_id(wandb, "wandb"), "swanlab": _tracker_id(swanlab, "swanlab")},
             }
-            manifest_info = {"epoch": epoch, "global_step": global_step, "samples_consumed": samples_consumed}
+            info = {"epoch": epoch, "global_step": global_step, "samples_consumed": samples_consumed}  # manifest
             out_path = Path(save_dir) / f"{files.name}.pth"
-            (saver or BackgroundSaver(background=False, pin_memory=False)).submit(
-                state, lambda copy: checkpoint_io.write_checkpoint_files(files, out_path, copy, keep_last,
-                                                                          manifest_info))
-        except Exception as caught:  # re-raised below, after telling the other ranks to stop too
-            error = caught
-    if dist.is_initialized():  # every rank must stop together if rank 0 could not save
-        failed = [error is not None]
-        dist.broadcast_object_list(failed, src=0)
-        if failed[0] and error is None:
-            raise CheckpointError("rank 0 could not save the checkpoint (see its error)")
-    if error is not None:
-        raise error
-    return None
+            try:  # copy to CPU memory, then write (in the background if the saver does): checkpoint_io's protocol
+                (saver or BackgroundSaver(background=False, pin_memory=False)).submit(
+                    state, lambda copy: checkpoint_io.write_checkpoint_files(files, out_path, copy, keep_last, info))
+            except Exception as caught:  # re-raised below, after telling the other ranks to stop too
+                error = caught
+        if dist.is_initialized():  # every rank must stop together if rank 0 could not save
+            failed = [error is not None]
+            dist.broadcast_object_list(failed, src=0)
+            if failed[0] and error is None:
+                raise CheckpointError("rank 0 could not save the checkpoint (see its error)")
+        if error is not None:
+            raise error
+        return None
+
+    # Load: the newest checkpoint that verifies, checked against this run, its step label rescaled.
+    state = checkpoint_io.load_newest(files, resume_path, log)
+    if state is None or num_samples is None or global_batch is None:  # minimind's call: the state as saved
+        return state
+    train_args = train_args or {"world_size": state["world_size"]}
+    if resume_checks.is_minimind_layout(state):  # minimind's file has no cursor: a position from its step
+        state = resume_checks.from_minimind_layout(state, lm_config, data_fingerprint, train_args, num_samples, log)
+    if data_fingerprint is not None:  # a run resuming: refuse a changed model, data or setting
+        for note in resume_checks.check_resume_compatible(state, lm_config.to_dict(), data_fingerprint, train_args):
+            log(f"resume: {note}")
+    # The step label on this GPU count. The data position is samples_consumed, so the label is
+    # the number of this run's global batches that reach it, ceil-divided at an epoch's short
+    # tail: `samples_consumed // global_batch` when it divides. minimind rescales the step
+    # instead, `step * old_ws // new_ws`, which is the same number whenever that division is exact.
+    old_step, state["step"] = state["step"], step_in_epoch(num_samples, state["samples_consumed"], global_batch)
+    if state["global_step"] is None:  # minimind's file does not count the steps of earlier epochs
+        steps_per_epoch = step_in_epoch(num_samples, num_samples, global_batch)
+        state["global_step"] = state["epoch"] * steps_per_epoch + state["step"]
+    log(_resume_summary(state, old_step, train_args["world_size"]))
+    return state
+
+
+def _resume_summary(state: dict, old_step: int, world_size: int) -> str:
+    """The log line of a resume: where it continues, and what changed with the world size."""
+    old_ws, minimind = state["world_size"], state.get("from_minimind", False)
+    change = f"world size {old_ws} -> {world_size}: " if old_ws != world_size else ""
+    exact = "the count only: minimind's order differs" if minimind else "exact"
+    rng = "RNG restored" if len(state["rng"]) == world_size else (
+        "RNG reseeded" + ("" if minimind else " for the new world size"))
+    return (f"resumed from {state['resumed_from']}: {change}epoch step {old_step} -> {state['step']}, resuming at "
+            f"sample {state['samples_consumed']} of epoch {state['epoch'] + 1} ({exact}; global step "
+            f"{state['global_step']}, {rng})")
 
 
 def _tracker_id(run, name: str) -> str | None:
