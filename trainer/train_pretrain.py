@@ -123,7 +123,6 @@ def main() -> None:
     autocast = torch.autocast("cuda", dtype=dtype) if use_cuda and dtype != torch.float32 else nullcontext()
     scaler = torch.amp.GradScaler("cuda", enabled=use_cuda and dtype == torch.float16)
     guard = AnomalyGuard(args.on_anomaly, args.patience, args.max_rollbacks, args.rollback_lr_factor)
-    install_debug_injection(model, args.debug_inject, current_step=lambda: global_step + 1)
 
     # ---- 5. Resume: weights, optimizer, RNG and the data position (lm_checkpoint checked the rest) -
     setup_seed(args.seed + rank)  # ranks differ in dropout noise; a resume on the same world size restores it
@@ -132,6 +131,7 @@ def main() -> None:
         restore_training_state(state, model, optimizer, scaler, rank, world_size)
         guard.load_state_dict(state["anomaly"])  # its history, rollbacks and windows to step over
         epoch, samples_consumed, global_step = state["epoch"], state["samples_consumed"], state["global_step"]
+    install_debug_injection(model, args.debug_inject, current_step=lambda: global_step + 1)  # --debug_inject only
 
     def total_steps() -> int:  # the step the run will end at, from the position in the data
         return global_step + steps_left(n, samples_consumed, global_batch) + (
@@ -226,11 +226,12 @@ def main() -> None:
                     if state is None:
                         raise AnomalyStop(f"{reason}; no checkpoint to roll back to yet (lower --save_interval)")
                     guard.plan_rollback(epoch, samples_consumed)
+                    log(f"rollback {guard.rollbacks}/{guard.max_rollbacks}: back to step {state['global_step']}; the "
+                        f"window at sample {samples_consumed} of epoch {epoch + 1} will be stepped over; lr scale now "
+                        f"{guard.lr_scale:g}")
                     restore_training_state(state, model, optimizer, scaler, rank, world_size)
                     epoch, samples_consumed = state["epoch"], state["samples_consumed"]
                     global_step = state["global_step"]
-                    log(f"rollback {guard.rollbacks}/{guard.max_rollbacks}: back to step {global_step}; lr scale "
-                        f"now {guard.lr_scale:g}")
                     tracker.rollback(global_step, total_steps())
                     break  # the while loop starts the restored epoch at the restored position
 
