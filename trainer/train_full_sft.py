@@ -181,7 +181,7 @@ def main() -> None:
                 if guard.should_skip(epoch, samples_consumed):  # it went wrong before a rollback: step over it
                     log(f"skipping the batch window at sample {samples_consumed} of epoch {epoch + 1} "
                         f"(it caused an anomaly before the rollback)")
-                    lr, action, reason = 0.0, "skip", None
+                    lr, action, reason = 0.0, "skip", "stepped over: this window caused an anomaly before a rollback"
                     numbers = {"loss": math.nan, "grad_norm": math.nan, "local_loss_sum": math.nan,
                                "local_tokens": 0, "input_tokens": 0, "stop": stop.signal is not None}
                 else:
