@@ -91,11 +91,14 @@ def test_resume_on_two_then_three_then_one_rank_trains_each_sample_once(tmp_path
     train("train_pretrain.py", 2, [*common, "--max_steps", "5"], tmp_path)
     first = resume_file(tmp_path)
     assert (first["world_size"], first["epoch"], first["samples_consumed"]) == (2, 0, 20)  # 5 steps x 4
-    train("train_pretrain.py", 3, [*common, "--max_steps", "5", "--from_resume", "1"], tmp_path)
+    on_three = train("train_pretrain.py", 3, [*common, "--max_steps", "5", "--from_resume", "1"], tmp_path)
+    # The step label follows the cursor: 7 - ceil(17 / 6) = 4 steps of 6 reach sample 20 (5 steps of 4 did).
+    assert "world size 2 -> 3: epoch step 5 -> 4, resuming at sample 20 of epoch 1 (exact;" in on_three.stdout
     second = resume_file(tmp_path)
     # From sample 20: 17 left in epoch 0 (steps of 6, 6, 5), then 2 steps of 6 into epoch 1.
     assert (second["world_size"], second["epoch"], second["samples_consumed"]) == (3, 1, 12)
-    train("train_pretrain.py", None, [*common, "--from_resume", "1"], tmp_path)
+    on_one = train("train_pretrain.py", None, [*common, "--from_resume", "1"], tmp_path)
+    assert "world size 3 -> 1: epoch step 2 -> 6, resuming at sample 12 of epoch 2 (exact;" in on_one.stdout
 
     trace = trace_of(tmp_path)
     sizes = world_size_by_step(trace)
@@ -125,11 +128,20 @@ def test_fixed_global_batch_gives_same_loss_curve_on_two_and_four_ranks(tmp_path
             tokens[r["step"]] += r["local_tokens"]
         return [sums[s] / tokens[s] for s in sorted(sums)]
 
+    def grad_norms(trace):  # the global norm, the same on every rank
+        return [r["grad_norm"] for r in sorted(trace, key=lambda r: r["step"]) if r["rank"] == 0]
+
     a, b = global_losses(trace_of(straight)), global_losses(trace_of(split))
     assert len(a) == len(b) == 5
     assert a[:2] == b[:2]  # same ranks, same order: identical before the switch
     # After the switch only the summation order differs: float32 reduction noise (measured ~1e-7).
     assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5
+    # The gradient itself, which the losses barely show over 5 small steps: its norm agrees to float32
+    # noise (measured equal). A loss normalised per rank moves it by 2e-4 (step 3) to 0.8 % (step 5);
+    # one normalised per micro-batch by 25 % at step 5, the epoch's short last window.
+    norms_a, norms_b = grad_norms(trace_of(straight)), grad_norms(trace_of(split))
+    assert len(norms_a) == len(norms_b) == 5
+    assert max(abs(x - y) / x for x, y in zip(norms_a, norms_b)) < 1e-5, (norms_a, norms_b)
 
 
 def test_python_and_torchrun_one_rank_use_the_same_sample_order(tmp_path, pretrain_data):
