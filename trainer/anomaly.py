@@ -1,20 +1,18 @@
 """Spotting a bad step, and deciding what to do about it.
 
-`AnomalyDetector` is pure arithmetic on (step, loss, grad norm): it says *that* something looks
-wrong and why, in words. `AnomalyGuard` applies the --on_anomaly policy to that verdict. Every
-step, before the optimizer touches the weights, the loop asks the guard about the step's global
-loss and grad norm. All ranks see the same two numbers (the loss is reduced over ranks, the
-gradient is already synchronized), so all ranks reach the same action without talking:
+`AnomalyDetector` is pure arithmetic on (step, loss, grad norm): it says *that* a step looks wrong and
+why. `AnomalyGuard` applies the --on_anomaly policy to that verdict, every step, before the optimizer
+touches the weights. All ranks see the same loss (reduced over ranks) and grad norm (of synchronized
+gradients), so they reach the same action without talking:
 
     "apply"     the step is fine (or only worth a warning): take it
     "skip"      non-finite under --on_anomaly warn: drop this update, keep training
     "stop"      --on_anomaly stop: drop the update, exit non-zero with the reason
-    "rollback"  --on_anomaly rollback: drop the update, reload the last good checkpoint, and
-                step over this batch window when training reaches it again
+    "rollback"  --on_anomaly rollback: drop the update, reload the last good checkpoint, and step over
+                this batch window when training reaches it again
 
-A non-finite step is never applied, whatever the policy. The guard's memory (the detector's
-history, rollbacks made, windows to skip) is saved in every checkpoint, so a resume keeps it.
-`--debug_inject` lets a user see the policy act on purpose; it is a forward hook, not loop code.
+A non-finite step is never applied. The guard's memory (history, rollbacks, windows to skip) is saved
+in every checkpoint, so a resume keeps it. `--debug_inject` shows the policy at work (a forward hook).
 """
 
 from __future__ import annotations
@@ -31,35 +29,27 @@ class AnomalyStop(RuntimeError):
 
 
 class AnomalyDetector:
-    """Flags training steps whose loss or gradient norm looks wrong, with a reason in words.
+    """Flags steps whose loss or gradient norm looks wrong, with a reason in words. Rules, in order:
 
-    Rules, checked in this order on every `check(step, loss, grad_norm)`:
+    1. Non-finite loss or grad norm: always reported (NaN spreads into every weight at the next step).
+    2. Loss spike: loss > mean + spike_factor * std of the last `window` accepted losses (after
+       `min_history` of them). The std has a floor of max(5% of |mean|, 1e-3), or on a very smooth
+       curve a harmless wiggle would count as "many sigmas".
+    3. Grad-norm explosion: grad_norm > grad_explosion_factor * median of recent accepted norms
+       (the median is not dragged up by the occasional large norm).
+    4. Plateau (if patience > 0): no relative 1e-3 improvement of the best loss for `patience` accepted
+       checks; the counter then restarts, so a long plateau is reported every `patience` checks.
 
-    1. Non-finite: a NaN or inf loss or grad norm. Nothing after it can be trusted (NaN spreads
-       into every weight at the next optimizer step), so it is always reported.
-    2. Loss spike: loss > mean + spike_factor * std of the last `window` accepted losses. The std
-       has a floor of max(5% of |mean|, 1e-3): on a very smooth curve the std is tiny and a harmless
-       wiggle would otherwise count as "many sigmas". Needs `min_history` values first.
-    3. Grad-norm explosion: grad_norm > grad_explosion_factor * median of recent accepted norms.
-       The median, unlike the mean, is not dragged up by the occasional large norm.
-    4. Plateau (only if patience > 0): the best loss has not improved by a relative 1e-3 for
-       `patience` consecutive accepted checks. The counter then restarts, so a long plateau is
-       reported every `patience` checks rather than on every step.
-
-    Only values that pass rules 1-3 enter the history. A spike therefore cannot raise the mean
-    and std that judge the next values: the next normal step is not flagged, and a loss that stays
-    high keeps being reported, which is right, since it did not recover.
+    Only values that pass rules 1-3 enter the history, so a spike cannot raise the mean and std that
+    judge the next values: a loss that stays high keeps being reported, since it did not recover.
     """
 
     def __init__(self, spike_factor: float = 3.0, window: int = 20, min_history: int = 5,
                  grad_explosion_factor: float = 10.0, patience: int = 0):
         if window < 2 or min_history < 2 or min_history > window:
             raise ValueError(f"need 2 <= min_history <= window, got min_history={min_history} window={window}")
-        self.spike_factor = spike_factor
-        self.window = window
-        self.min_history = min_history
-        self.grad_explosion_factor = grad_explosion_factor
-        self.patience = patience
+        self.spike_factor, self.window, self.min_history = spike_factor, window, min_history
+        self.grad_explosion_factor, self.patience = grad_explosion_factor, patience
         self.losses: deque[float] = deque(maxlen=window)
         self.grad_norms: deque[float] = deque(maxlen=window)
         self.best_loss: float | None = None
@@ -116,9 +106,8 @@ class AnomalyDetector:
 
     def state_dict(self) -> dict:
         """Plain lists and numbers, so it fits in a `weights_only=True` checkpoint."""
-        return {"losses": list(self.losses), "grad_norms": list(self.grad_norms),
-                "best_loss": self.best_loss, "best_step": self.best_step,
-                "checks_since_best": self.checks_since_best}
+        return {"losses": list(self.losses), "grad_norms": list(self.grad_norms), "best_loss": self.best_loss,
+                "best_step": self.best_step, "checks_since_best": self.checks_since_best}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the history of a resumed run (clipped to this detector's window)."""
@@ -136,27 +125,22 @@ def parse_injection(spec: str | None) -> dict[int, str]:
             continue
         kind, _, step = item.partition(":")
         if kind not in ("nan", "spike") or not step.isdigit():
-            raise ValueError(f"--debug_inject {spec!r}: expected nan:STEP or spike:STEP (comma-separated), "
-                             f"e.g. nan:12")
+            raise ValueError(f"--debug_inject {spec!r}: expected nan:STEP or spike:STEP (comma-separated), e.g. nan:12")
         injections[int(step)] = kind
     return injections
 
 
 def install_debug_injection(model: torch.nn.Module, spec: str | None, current_step) -> None:
     """--debug_inject: multiply the loss of the chosen steps by NaN or 1e4 (each fires once per process).
-
-    A forward hook on the plain model, so the training loop has no test code in it; the faulty loss
-    flows into the gradients exactly as a real blow-up would. `current_step()` is the step being run.
-    """
+    A forward hook on the plain model (`current_step()` is the step being run): the loop has no test code,
+    and the faulty loss flows into the gradients as a real blow-up would."""
     injections = parse_injection(spec)
     if not injections:
         return
 
     def inject(module, inputs, output):
         kind = injections.pop(current_step(), None) if output.loss is not None and module.training else None
-        if kind is None:
-            return output
-        return output._replace(loss=output.loss * (math.nan if kind == "nan" else 1e4))
+        return output if kind is None else output._replace(loss=output.loss * (math.nan if kind == "nan" else 1e4))
 
     model.register_forward_hook(inject)
 
@@ -165,12 +149,9 @@ class AnomalyGuard:
     """Applies the --on_anomaly policy to each step, and remembers which windows to step over."""
 
     def __init__(self, policy: str, patience: int, max_rollbacks: int, lr_factor: float):
-        self.policy = policy
+        self.policy, self.max_rollbacks, self.lr_factor = policy, max_rollbacks, lr_factor
         self.detector = AnomalyDetector(patience=patience)
-        self.max_rollbacks = max_rollbacks
-        self.lr_factor = lr_factor
-        self.rollbacks = 0
-        self.lr_scale = 1.0
+        self.rollbacks, self.lr_scale = 0, 1.0
         self.skip_windows: set[tuple[int, int]] = set()  # (epoch, cursor at the window's start)
 
     def verdict(self, step: int, loss: float, grad_norm: float, gradients_finite_expected: bool) -> tuple[str, str]:

@@ -1,18 +1,11 @@
 """Saving without stopping: copy the training state to CPU memory, write the files in a thread.
 
-On a GPU a step takes milliseconds and writing a checkpoint seconds (hundreds of MB through
-torch.save, fsync, hashing). So a save is split in two:
-
-1. The copy (blocks training): every tensor of the resume state goes into CPU buffers allocated
-   once and reused, pinned on CUDA so the copies run at full PCIe speed. After it, training may
-   change the weights and optimizer moments in place: the copy is ours.
-2. The write (does not block): a thread writes the files from the copy with the same function a
-   synchronous save uses, so the format and the durability protocol are one piece of code.
-
-At most one save is in flight: the next save, the end of training, a stop, a rollback and every
-exit path wait for it first. `kill -9` during a background write is the same as during a synchronous
-one: the new checkpoint is either complete and manifested, or invisible to resume. A failed write is
-kept and re-raised by `wait()`; the loop checks `failed` at every step so all ranks stop together.
+A step takes milliseconds on a GPU, a checkpoint write seconds. So a save is split: the copy blocks
+training (into CPU buffers allocated once and reused, pinned on CUDA for full PCIe speed; after it,
+training may change the weights in place), the write does not (a thread runs the same function as a
+synchronous save, so the format and checkpoint_io's kill -9 guarantees are one piece of code).
+At most one save is in flight: the next save and every exit path wait for it. A failed write is kept
+and re-raised by `wait()`; the loop checks `failed` at every step so all ranks stop together.
 """
 
 from __future__ import annotations
@@ -71,11 +64,8 @@ class BackgroundSaver:
             self.error = error
 
     def snapshot(self, state):
-        """A copy of `state` whose tensors live in this saver's CPU buffers.
-
-        Tensors that share storage (the tied embedding and lm_head) stay shared in the copy, so the
-        files still hold them once.
-        """
+        """A copy of `state` whose tensors live in this saver's CPU buffers. Tensors that share storage
+        (the tied embedding and lm_head) stay shared, so the files still hold them once."""
         copies: dict[tuple, torch.Tensor] = {}
         saw_cuda = [False]
 
@@ -108,9 +98,7 @@ class BackgroundSaver:
 
 def finish_saves(saver: BackgroundSaver) -> None:
     """Wait for the save in flight; if it failed, every rank raises (rank 0 with the writer's error).
-
-    Call it on every rank: only rank 0 writes, the others learn from it whether that worked.
-    """
+    Call it on every rank: only rank 0 writes, the others learn from it whether that worked."""
     error = None
     try:
         saver.wait()

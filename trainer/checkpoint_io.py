@@ -11,13 +11,10 @@ Layout for a run named R (e.g. `pretrain_512`) in the checkpoint directory:
         step_00000300.pth
         step_00000300.json
 
-A save never touches an existing good file: it writes a new history file through a temp name
-(flush + fsync + `os.replace` + fsync of the directory), hashing the bytes as they are written,
-writes its manifest (size, SHA-256) the same way, and only then moves the `_resume.pth` link and the latest
-pointer and deletes the oldest history entries. A crash at any point leaves the previous newest
-checkpoint intact and verifiable; a save that fails (a full disk) removes its own half-written
-files. Resume walks the history newest first and takes the first file that matches its manifest
-and loads with `weights_only=True`.
+A save never touches a good file: it writes a new history file and its manifest atomically (temp name,
+fsync, rename, fsync of the directory), hashing while writing, and only then moves the resume link and
+the latest pointer and deletes old entries. A crash leaves the previous checkpoint intact; a failed save
+removes its own files. Resume takes the newest history file that matches its manifest (weights_only).
 """
 
 from __future__ import annotations
@@ -50,17 +47,10 @@ class RunFiles:
     checkpoint_dir: Path
     name: str
 
-    @property
-    def resume_link(self) -> Path:
-        return self.checkpoint_dir / f"{self.name}_resume.pth"
-
-    @property
-    def latest_pointer(self) -> Path:
-        return self.checkpoint_dir / f"{self.name}_latest.txt"
-
-    @property
-    def history_dir(self) -> Path:
-        return self.checkpoint_dir / f"{self.name}_history"
+    def __post_init__(self):
+        self.resume_link = self.checkpoint_dir / f"{self.name}_resume.pth"
+        self.latest_pointer = self.checkpoint_dir / f"{self.name}_latest.txt"
+        self.history_dir = self.checkpoint_dir / f"{self.name}_history"
 
     def history_file(self, step: int) -> Path:
         return self.history_dir / f"step_{step:08d}.pth"
@@ -69,8 +59,8 @@ class RunFiles:
         """Kept checkpoint files, newest (highest step) first."""
         if not self.history_dir.is_dir():
             return []
-        files = [p for p in self.history_dir.iterdir() if HISTORY_NAME.match(p.name)]
-        return sorted(files, key=lambda p: p.name, reverse=True)
+        return sorted((p for p in self.history_dir.iterdir() if HISTORY_NAME.match(p.name)),
+                      key=lambda p: p.name, reverse=True)
 
 
 def manifest_path(checkpoint: Path) -> Path:
@@ -107,12 +97,8 @@ class _HashingWriter:
 
 
 def atomic_write(path: Path, write: Callable[[Any], None]) -> tuple[int, str]:
-    """Write `path` through a temp file, fsync, rename, fsync the directory; returns (size, sha256).
-
-    One writer per path: the temp name is fixed, so the leftover of a killed write is reused by the
-    next one instead of piling up (a unique name per process would leak one file per kill).
-    """
-    tmp = path.with_name(path.name + ".tmp")
+    """Write `path` through a temp file, fsync, rename, fsync the directory; returns (size, sha256)."""
+    tmp = path.with_name(path.name + ".tmp")  # fixed (one writer per path): a killed write's leftover is reused
     writer = None
     try:
         with open(tmp, "wb") as raw:
@@ -145,11 +131,8 @@ def sha256_of(path: Path) -> str:
 
 
 def save_verified(files: RunFiles, state: dict, step: int, keep_last: int, info: dict) -> Path:
-    """Write `state` as the newest checkpoint of the run, verify it, then rotate old ones away.
-
-    `info` (epoch, samples consumed, ...) goes into the manifest so tools can list checkpoints
-    without loading them. Raises CheckpointError (older checkpoints untouched) if anything fails.
-    """
+    """Write `state` as the run's newest checkpoint, with `info` (epoch, samples...) in its manifest,
+    then rotate old ones away. Raises CheckpointError (older checkpoints untouched) if anything fails."""
     path = files.history_file(step)
     written = False  # True while `path` holds this save's bytes but nothing points at them yet
     try:
@@ -188,25 +171,17 @@ def save_verified(files: RunFiles, state: dict, step: int, keep_last: int, info:
 
 
 def check_written(path: Path, size: int) -> None:
-    """After the rename: is the file there with every byte we wrote?
-
-    The SHA-256 in the manifest was computed from the very bytes handed to write(), and fsync
-    returned without error, so reading the file back would only re-hash the page cache (the same
-    bytes, not the disk's). That costs a full read per save for no extra guarantee; the full hash
-    check happens where it matters, when a checkpoint is loaded. A size check stays: it is free
-    and catches a file replaced or truncated behind our back.
-    """
+    """After the rename: is the file there with every byte we wrote? No read-back hash: the manifest's
+    was taken from the very bytes written, and re-reading would only hash the page cache; the full hash
+    is checked on load. The size check is free and catches a file replaced or truncated behind our back."""
     actual = path.stat().st_size
     if actual != size:
         raise CheckpointError(f"{path} has {actual} bytes right after writing {size}")
 
 
 def rotate(files: RunFiles, keep_last: int) -> list[Path]:
-    """Delete all but the newest `keep_last` checkpoints; called only after the newest was verified.
-
-    Older files are not re-hashed here (that would cost a full read of each per save); a file
-    without a manifest older than a kept one is debris of a killed save and goes too.
-    """
+    """Delete all but the newest `keep_last` checkpoints (not re-hashed); called only after the newest was
+    verified. A file without a manifest, older than a kept one, is debris of a killed save and goes too."""
     with_manifest = [p for p in files.history() if manifest_path(p).is_file()]
     keep = set(with_manifest[:max(keep_last, 1)])
     oldest_kept = min(p.name for p in keep) if keep else None
@@ -222,9 +197,7 @@ def rotate(files: RunFiles, keep_last: int) -> list[Path]:
 
 def verify(path: Path, manifest_file: Path | None = None) -> str | None:
     """None if `path` matches its manifest (size and SHA-256), else what is wrong.
-
-    The manifest is the one beside `path`, or `manifest_file` for a copy that lives elsewhere.
-    """
+    The manifest is the one beside `path`, or `manifest_file` for a copy that lives elsewhere."""
     manifest_file = manifest_path(path) if manifest_file is None else manifest_file
     if not path.is_file():
         return "file is missing"
@@ -265,12 +238,8 @@ def is_managed(files: RunFiles, path: Path) -> bool:
 
 
 def set_aside_unmanaged_resume_file(files: RunFiles) -> Path | None:
-    """Rename a `{run}_resume.pth` that no manifest accounts for, so no save can overwrite it.
-
-    Such a file was brought by the user (copied from another machine, or written by minimind).
-    The next save would replace the name with its own link; the user's bytes are kept under a
-    name that says what happened instead. Returns the new path, or None if there was nothing to do.
-    """
+    """Rename a `{run}_resume.pth` that no manifest accounts for (the user's: copied in, or minimind's),
+    so the next save's link cannot overwrite it. Returns the new path, or None if there was nothing to do."""
     link = files.resume_link
     if not link.is_file() or is_managed(files, link):
         return None
@@ -282,16 +251,13 @@ def set_aside_unmanaged_resume_file(files: RunFiles) -> Path | None:
 
 def newest_good_checkpoint(files: RunFiles, log: Callable[[str], None]) -> tuple[Path, dict] | None:
     """The newest history file that verifies and loads, with its state; None if there is no history.
-
-    Each skipped file gets one line saying why. If there are files but none is good, raises with
-    the list of what was tried, so a damaged run never silently restarts from scratch.
-    """
+    If none is good, raises with what was tried: a damaged run never silently restarts from scratch."""
     candidates = files.history()
     if not candidates:
         return None
     if not files.resume_link.exists() and not any(manifest_path(p).is_file() for p in candidates):
-        # No save ever completed here (no manifest, no resume link): these are debris of a first
-        # save that was killed. Starting fresh loses nothing; refusing would leave the run stuck.
+        # No save ever completed here: debris of a killed first save. Starting fresh loses nothing;
+        # refusing would leave the run stuck.
         log(f"ignoring {', '.join(p.name for p in candidates)} in {files.history_dir}: no manifest, "
             f"the first save was interrupted before it completed")
         return None
@@ -333,9 +299,7 @@ def write_checkpoint_files(files: RunFiles, out_path: Path, state: dict, keep_la
 
 def load_newest(files: RunFiles, resume_path: str | None, log: Callable[[str], None]) -> dict | None:
     """The state of the newest good checkpoint (or `resume_path`'s); None when the run has none.
-
-    Rank 0 picks and verifies the file and shares its choice; every rank then loads that file.
-    """
+    Rank 0 picks and verifies the file and shares its choice; every rank then loads that file."""
     choice, state = [None], None
     if not dist.is_initialized() or dist.get_rank() == 0:
         choice[0], state = _choose_checkpoint(files, resume_path, log)
@@ -364,8 +328,7 @@ def _choose_checkpoint(files: RunFiles, resume_path: str | None, log) -> tuple[s
         raise CheckpointError(f"--resume_path {path} cannot be trusted: {problem}")
     newer = [p for p in files.history() if p.name > path.name]
     if newer and path.parent.resolve() == files.history_dir.resolve():
-        # Set newer checkpoints aside (not deleted): otherwise a later --from_resume 1 would jump
-        # back to the abandoned future instead of continuing this branch of the run.
+        # Set newer checkpoints aside (not deleted), or a later --from_resume 1 would jump back to them.
         aside = files.history_dir / f"discarded_after_{path.stem}"
         aside.mkdir(exist_ok=True)
         for p in newer:

@@ -1,32 +1,20 @@
-"""Watching a run from outside: a metrics file and a status file.
-
-`MetricsFileWriter` leaves two plain files per run in a metrics directory:
+"""Watching a run from outside: two plain files per run, readable by anything (`scripts/watch_run.py`
+over ssh, a plot script, `tail -f`, `jq`), with no server or account.
 
     {metrics_dir}/{run}_metrics.jsonl   one JSON line per log step, validation and event
     {metrics_dir}/{run}_status.json     one small JSON object: status, progress, latest numbers
 
-Anything that can read a file can follow the run: `scripts/watch_run.py` over ssh, a plot script,
-`tail -f`, `jq`. No server, no account, nothing to install on the training machine.
+Every metrics line has `step` (the optimizer step) and `timestamp` (Unix seconds); a training line
+adds loss, lr, grad_norm, tokens_per_s...; a validation line `val/loss`; an event line `event` =
+"resume", "anomaly" (with `reason`) or "rollback". The status file has job_id (`{run}-{UTC start of the
+first invocation, YYYYmmdd-HHMMSS}`, kept on resume as the wandb/SwanLab id is), status (in RUN_STATES),
+current_step (the last logged, or the checkpoint's after a resume or rollback), total_steps,
+anomaly_detected (in any invocation), anomaly_reason and anomaly_step (the latest), latest_metrics (the
+latest training line), run_name, epoch, best_loss, best_step, latest_val, resumed_from (this
+invocation's checkpoint step, or null), started, updated. Tools may rely on these names; more may come.
 
-What the files hold (other tools may rely on these names; more fields may be added):
-
-- every metrics line has `step` (the optimizer step) and `timestamp` (Unix seconds). A training
-  line adds loss, lr, grad_norm, tokens_per_s, ...; a validation line `val/loss`; an event line
-  `event` = "resume", "anomaly" (with `reason`) or "rollback".
-- the status file has
-      job_id            `{run}-{UTC start of the run's first invocation, YYYYmmdd-HHMMSS}`; a resume
-                        keeps it (as the wandb/SwanLab run id is kept), a fresh run gets a new one
-      status            running / completed / stopped / failed
-      current_step      the last optimizer step logged (or the checkpoint step after a resume or rollback)
-      total_steps       the step the run will end at
-      anomaly_detected  whether this run (any of its invocations) saw an anomaly
-      anomaly_reason    the latest anomaly in words, or null
-      latest_metrics    the latest training line
-  and also run_name, epoch, anomaly_step, best_loss, best_step, latest_val, resumed_from (the
-  checkpoint step this invocation started from, or null), started (this invocation), updated.
-
-On resume the metrics file is cut back to the checkpoint's step first: the steps logged after the
-last save are trained again, and a file with two losses for one step would draw a zigzag.
+On resume the metrics file is cut back to the checkpoint's step: those steps are trained again, and
+two losses for one step would draw a zigzag.
 """
 
 from __future__ import annotations
@@ -40,8 +28,6 @@ from typing import IO
 RUN_STATES = ("running", "completed", "stopped", "failed")
 
 
-# ---- file names, and the reader the writer uses to cut its file back on resume ----
-
 def metrics_path(metrics_dir: str | Path, run_name: str) -> Path:
     return Path(metrics_dir) / f"{run_name}_metrics.jsonl"
 
@@ -51,11 +37,8 @@ def status_path(metrics_dir: str | Path, run_name: str) -> Path:
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    """All records of a metrics file, in file order; [] if the file does not exist yet.
-
-    A line that is not valid JSON is skipped: the only way to get one is a process killed in the
-    middle of a write (or a reader that arrives mid-write), and it is always the last line.
-    """
+    """All records of a metrics file, in file order; [] if there is none yet. A line that is not JSON
+    is skipped: only a write cut short (killed, or read mid-write) makes one, and it is the last line."""
     path = Path(path)
     if not path.is_file():
         return []
@@ -69,8 +52,6 @@ def read_metrics(path: str | Path) -> list[dict]:
             records.append(record)
     return records
 
-
-# ---- the writer ----
 
 def is_train_record(record: dict) -> bool:
     """A training log line (not a validation result or an event such as a resume)."""
@@ -89,10 +70,7 @@ def finite_or_null(value):
 
 
 class MetricsFileWriter:
-    """Writes `{run_name}_metrics.jsonl` and `{run_name}_status.json` under `metrics_dir`.
-
-    Made on rank 0 only (one writer per file) by tracking.Tracker, which calls its methods.
-    """
+    """Writes the two files of `run_name` under `metrics_dir`; made on rank 0 only, by tracking.Tracker."""
 
     def __init__(self, metrics_dir: str, run_name: str):
         self.run_name = run_name
@@ -104,12 +82,11 @@ class MetricsFileWriter:
     def begin(self, start_step: int, total_steps: int) -> None:
         """A fresh run starts fresh files; a resumed one cuts its metrics back to `start_step`."""
         self.metrics_file.parent.mkdir(parents=True, exist_ok=True)
-        now = time.time()
-        kept: list[dict] = []
-        job_id = None
+        now, kept, job_id = time.time(), [], None
         if start_step > 0:
             kept = self._cut_back_to(start_step)
-            job_id = self._previous_job_id()
+            if self.status_file.is_file():  # a resume keeps the job id (None if the file has none)
+                job_id = json.loads(self.status_file.read_text(encoding="utf-8")).get("job_id")
         else:
             self.metrics_file.write_text("", encoding="utf-8")  # a fresh run starts a fresh file
         train = [r for r in kept if is_train_record(r)]
@@ -118,16 +95,13 @@ class MetricsFileWriter:
         anomalies = [r for r in kept if r.get("event") == "anomaly"]
         self.status = {
             "job_id": job_id or f"{self.run_name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime(now))}",
-            "run_name": self.run_name, "status": "running", "current_step": start_step,
-            "total_steps": total_steps,
-            "epoch": train[-1]["epoch"] if train else None,
-            "anomaly_detected": bool(anomalies),
+            "run_name": self.run_name, "status": "running", "current_step": start_step, "total_steps": total_steps,
+            "epoch": train[-1]["epoch"] if train else None, "anomaly_detected": bool(anomalies),
             "anomaly_reason": anomalies[-1]["reason"] if anomalies else None,
             "anomaly_step": anomalies[-1]["step"] if anomalies else None,
             "latest_metrics": train[-1] if train else {},
             "best_loss": best["loss"] if best else None, "best_step": best["step"] if best else None,
-            "latest_val": val[-1] if val else None,
-            "resumed_from": start_step if start_step > 0 else None,
+            "latest_val": val[-1] if val else None, "resumed_from": start_step if start_step > 0 else None,
             "started": now, "updated": now,
         }
         self.file = open(self.metrics_file, "a", encoding="utf-8")
@@ -138,8 +112,7 @@ class MetricsFileWriter:
     def log(self, metrics: dict, total_steps: int) -> None:
         record = {**metrics, "timestamp": time.time()}
         self._append(record)
-        loss = metrics.get("loss")
-        best = self.status.get("best_loss")
+        loss, best = metrics.get("loss"), self.status.get("best_loss")
         if loss is not None and math.isfinite(loss) and (best is None or loss < best):
             self.status["best_loss"], self.status["best_step"] = loss, metrics["step"]
         self.status.update(current_step=metrics["step"], epoch=metrics.get("epoch"), latest_metrics=record,
@@ -176,33 +149,21 @@ class MetricsFileWriter:
             self.file = None
 
     def _cut_back_to(self, step: int) -> list[dict]:
-        """Keep only records up to `step` (the checkpoint we resume from); returns what was kept.
-
-        The rewrite is atomic, so a crash during it leaves either the old file or the new one.
-        """
+        """Keep only records up to `step` (and anomaly events, which explain the rollback after them),
+        rewritten atomically; returns what was kept."""
         from trainer.checkpoint_io import atomic_write_text  # see _write_status for why it is here
-        # Anomaly events stay: they explain the rollback that follows them.
         kept = [r for r in read_metrics(self.metrics_file)
                 if r.get("step", 0) <= step or r.get("event") == "anomaly"]
         atomic_write_text(self.metrics_file, "".join(json.dumps(r) + "\n" for r in kept))
         return kept
 
-    def _previous_job_id(self) -> str | None:
-        """The job id of the run being resumed, from its status file; None when there is none to
-        continue (the metrics directory changed, or an older trainer wrote the file without one)."""
-        if not self.status_file.is_file():
-            return None
-        return json.loads(self.status_file.read_text(encoding="utf-8")).get("job_id")
-
     def _append(self, record: dict) -> None:
-        # One write of a whole line, then flush: a reader (or a crash) sees whole lines only,
-        # except possibly a last partial one, which read_metrics skips.
+        # One write of a whole line, then flush: a reader sees whole lines (a cut last one is skipped).
         self.file.write(json.dumps(finite_or_null(record)) + "\n")
         self.file.flush()
 
     def _write_status(self) -> None:
-        # Imported here, not at the top, so the readers above (used by the watch and plot
-        # scripts) work on a machine that has the files but not torch.
+        # Imported here so the readers above (watch and plot scripts) work on a machine without torch.
         from trainer.checkpoint_io import atomic_write_text
         self.status["updated"] = time.time()
         atomic_write_text(self.status_file, json.dumps(finite_or_null(self.status), indent=1) + "\n")

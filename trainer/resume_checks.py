@@ -1,18 +1,17 @@
 """Refusing a resume that would not continue the run, and reading minimind's resume files.
 
-A resumed run continues exactly only if what shapes the next step is unchanged: the model config,
-the data file and the settings that decide which samples form a step and how the LR curve looks.
-`check_resume_compatible` refuses a change it cannot honour with a diff naming each field, and says
-what it adapted otherwise (a new world size under a fixed --global_batch_size). Called once, from
-`lm_checkpoint`'s load branch in trainer_utils.py.
+A resume continues the run exactly only if the model config, the data file and the settings that decide
+which samples form a step and the LR curve are unchanged. `check_resume_compatible` refuses any other
+change with a diff naming each field, and says what it adapted (a new world size under a fixed
+--global_batch_size). Called once, from `lm_checkpoint`'s load branch in trainer_utils.py.
 """
 
 from __future__ import annotations
 
 import hashlib
 
-# Settings that change which samples form a step or how the run's LR curve looks. Refused when
-# they differ on resume (world size may change; batch geometry is checked separately).
+# Settings that decide which samples form a step or the LR curve: refused when they differ on resume
+# (world size may change; batch geometry is checked separately).
 FIXED_TRAINING_ARGS = ("epochs", "seed", "max_seq_len", "learning_rate", "warmup_ratio", "grad_clip",
                        "system_prompt_ratio", "drop_empty_think_ratio")  # the last two: SFT only
 
@@ -43,14 +42,9 @@ def plain(value):
     return str(value)
 
 
-# ---- data fingerprint ---------------------------------------------------------------------
-
 def data_fingerprint(source, sampled_lines: int = 64) -> dict:
-    """Identify a JSONL file cheaply: size, line count and a hash of evenly spaced raw lines.
-
-    `source` is the dataset's indexed JSONL file (it knows the line offsets, so no extra pass).
-    The path is recorded for the reader but not compared: a moved file is still the same data.
-    """
+    """Identify the dataset's indexed JSONL file cheaply: size, line count and a hash of evenly spaced
+    raw lines. The path is recorded for the reader but not compared: a moved file is the same data."""
     count = len(source)
     digest = hashlib.sha256()
     for i in sorted({(k * count) // sampled_lines for k in range(min(sampled_lines, count))}):
@@ -59,8 +53,6 @@ def data_fingerprint(source, sampled_lines: int = 64) -> dict:
             "sample_sha256": digest.hexdigest()}
 
 
-# ---- compatibility ------------------------------------------------------------------------
-
 def _diff(kind: str, saved: dict, current: dict, keys) -> list[str]:
     return [f"  {kind}.{key}: checkpoint has {saved.get(key)!r}, this run has {current.get(key)!r}"
             for key in keys if saved.get(key) != current.get(key)]
@@ -68,10 +60,7 @@ def _diff(kind: str, saved: dict, current: dict, keys) -> list[str]:
 
 def check_resume_compatible(saved: dict, lm_config: dict, fingerprint: dict, train_args: dict) -> list[str]:
     """Raise ResumeMismatch listing every field that differs; return notes on what was adapted.
-
-    `train_args` holds batch_size, accumulation_steps, global_batch_size (the requested one or
-    None), world_size and FIXED_TRAINING_ARGS of the current run.
-    """
+    `train_args` is the current run's `resume_settings` (global_batch_size: the requested one, or None)."""
     problems = _diff("model", saved["lm_config"], lm_config, sorted(set(saved["lm_config"]) | set(lm_config)))
     problems += _diff("data", saved["data_fingerprint"], fingerprint, ("size", "lines", "sample_sha256"))
     old = saved["train_args"]
@@ -112,11 +101,8 @@ def is_minimind_layout(state: dict) -> bool:
 def from_minimind_layout(raw: dict, lm_config, fingerprint: dict, train_args: dict, num_samples: int,
                          log) -> dict:
     """This project's resume state from a minimind one: weights, optimizer, epoch and position kept.
-
-    minimind's `step` counts the micro-batches each rank had taken in the epoch, so the samples
-    consumed are step x batch_size x world_size (with this run's --batch_size: minimind does not save
-    its own). What minimind does not record cannot be restored, and the log says so.
-    """
+    minimind's `step` counts each rank's micro-batches in the epoch, so samples consumed = step x
+    batch_size (this run's: minimind does not save its own) x world_size. The log says what is lost."""
     batch_size = train_args["batch_size"]
     samples = min(int(raw["step"]) * batch_size * int(raw["world_size"]), num_samples)
     log(f"resume: {raw['resumed_from']} is a minimind resume file: weights (fp16 -> fp32), optimizer, epoch "

@@ -1,8 +1,5 @@
-"""How a run stops on a signal: at a step boundary, with a checkpoint and a command to continue.
-
-SIGTERM (a preemptible machine going away) and Ctrl-C only set a flag; the loop finishes the
-optimizer step it is in, saves, and exits 0 with `continue_command`'s line.
-"""
+"""How a run stops on a signal: SIGTERM (a preemptible machine going away) and Ctrl-C only set a flag;
+the loop finishes the optimizer step it is in, saves, and exits 0 with `continue_command`'s line."""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
-"""Where a run's numbers go: the console, the metrics and status files, wandb, SwanLab, the debug trace;
-and the validation loss.
+"""Where a run's numbers go (console, metrics/status files, wandb, SwanLab, the debug trace), and the
+validation loss.
 
-The loop calls one object, `Tracker`, directly: `step` after every optimizer step, `log(metrics,
-step, total_steps)` at log steps, and `validation`, `anomaly`, `rollback`, `saved`, `finish` when
-those happen. Rank 0 fans each call out to the backends --logger asks for; every rank writes its own
-lines of the --save_debug_train_output trace. Every metric is logged against `step` = the optimizer
-step, the same number on every backend, so the curves of a resumed run continue where they stopped.
+The loop calls one object, `Tracker`: `step` after every optimizer step, `log` at log steps, and
+`validation`, `anomaly`, `rollback`, `saved`, `finish` when those happen. Rank 0 fans each call out to
+the --logger backends; every rank writes its own lines of the --save_debug_train_output trace. Every
+metric is logged against the optimizer step, so a resumed run's curves continue where they stopped.
 """
 
 from __future__ import annotations
@@ -35,11 +34,10 @@ def peak_flops(device: torch.device) -> float | None:
 def flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_len: int) -> float:
     """FLOPs of one forward + backward per token (the usual estimate, as in PaLM's appendix B).
 
-    6 * params: every weight does one multiply-add (2 FLOPs) per token forward and two backward.
-    The tied embedding counts once: its lookup is free, its use as lm_head is a real matmul.
-    12 * layers * hidden * seq: attention scores (Q K^T) and the weighted sum (A V), 2 * seq * hidden
-    FLOPs each per token forward, times 3 for forward + backward. Counted for the full square even
-    though causal attention could skip half of it, which is the common convention.
+    6 * params: a multiply-add (2 FLOPs) per weight and token forward, two backward; the tied embedding
+    counts once (its lookup is free, its lm_head matmul is not). 12 * layers * hidden * seq: Q K^T and
+    A V, 2 * seq * hidden FLOPs each forward, x3 with backward, over the full square as is usual
+    (causal attention could skip half).
     """
     return 6 * num_params + 12 * num_layers * hidden_size * seq_len
 
@@ -90,8 +88,7 @@ class Tracker:
             Path(args.save_debug_train_output).parent.mkdir(parents=True, exist_ok=True)
             # Ranks append to one file with single write() calls of whole lines (O_APPEND keeps them intact).
             self.trace = os.open(args.save_debug_train_output, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        self.peak = peak_flops(device)
-        self.flops_per_token = model_flops_per_token
+        self.peak, self.flops_per_token = peak_flops(device), model_flops_per_token
         self.started = self.last_log = time.perf_counter()
         self.current_step = self.last_log_step = start_step
         self.steps_done, self.tokens, self.saves, self.save_blocked_s = 0, 0, 0, 0.0
@@ -114,7 +111,8 @@ class Tracker:
         if self.device.type == "cuda":
             metrics["peak_mem_GiB"] = torch.cuda.max_memory_allocated() / 2**30
             if self.peak is not None:
-                metrics["mfu"] = self.flops_per_token * metrics["tokens_per_s"] / (self.peak * self._world_size())
+                world_size = dist.get_world_size() if dist.is_initialized() else 1
+                metrics["mfu"] = self.flops_per_token * metrics["tokens_per_s"] / (self.peak * world_size)
         self.last_log, self.last_log_step, self.tokens = now, step, 0
         if self.console:
             print(f"epoch {metrics['epoch'] + 1}/{self.epochs} step {step} ({total_steps - step} to go) "
@@ -168,7 +166,3 @@ class Tracker:
     def __exit__(self, error_type, error, traceback) -> None:
         if error is not None:  # the status file and the tracker runs say the run failed
             self.finish("failed")
-
-    @staticmethod
-    def _world_size() -> int:
-        return dist.get_world_size() if dist.is_initialized() else 1
