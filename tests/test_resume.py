@@ -210,3 +210,19 @@ def test_from_resume_with_nothing_to_resume_says_so_and_starts_fresh(tmp_path, p
     assert "no checkpoint of pretrain_32" in result.stdout and "starting fresh" in result.stdout
     assert resume_file(tmp_path)["global_step"] == 1
     assert events_of(tmp_path) == [] and status_of(tmp_path)["resumed_from"] is None
+
+
+def test_resume_takes_the_sizes_no_flag_gives_from_the_checkpoint(tmp_path, pretrain_data, sft_data):
+    # SFT starts from weights of a non-default SwiGLU width, read from the file; the continue command
+    # it prints has no --intermediate_size, and must resume the run, as a --from_weight start would.
+    train("train_pretrain.py", None, run_args(tmp_path / "pre", pretrain_data, "--max_steps", "1", "--save_dir",
+                                              str(tmp_path / "out"), "--intermediate_size", "96"), tmp_path)
+    sft = run_args(tmp_path, sft_data, "--batch_size", "4", "--max_steps", "2")
+    train("train_full_sft.py", None, sft, tmp_path)
+    train("train_full_sft.py", None, [*sft, "--from_resume", "1"], tmp_path)
+    state = resume_file(tmp_path, "full_sft_32")
+    assert state["global_step"] == 4 and state["lm_config"]["intermediate_size"] == 96
+    # A size flag that is given is still checked against the checkpoint.
+    result = train("train_full_sft.py", None, [*sft, "--from_resume", "1", "--intermediate_size", "128"], tmp_path,
+                   check=False)
+    assert result.returncode == 2 and "model.intermediate_size: checkpoint has 96, this run has 128" in result.stderr

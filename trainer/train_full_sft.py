@@ -41,8 +41,8 @@ from trainer.tracking import Tracker, flops_per_token, validation_loss
 from trainer.trainer_utils import (REPO_ROOT, IndexedDataset, SkipBatchSampler, add_operator_flags,
                                    cleanup_distributed, epoch_order, get_lr, init_distributed, init_model,
                                    lm_checkpoint, model_config, rank0_logger, resolve_accumulation,
-                                   restore_training_state, run_name, run_script, setup_seed, step_in_epoch,
-                                   step_numbers, steps_left, unwrap)
+                                   restore_training_state, run_name, run_script, setup_seed, size_flags,
+                                   step_in_epoch, step_numbers, steps_left, unwrap)
 
 
 def parse_args() -> argparse.Namespace:
@@ -117,13 +117,13 @@ def main() -> None:
     def newest_checkpoint(resume_path: str | None = None) -> dict | None:  # for --from_resume and rollbacks
         return lm_checkpoint(lm_config, weight=args.save_weight, checkpoint_dir=args.checkpoint_dir,
                              resume_path=resume_path, num_samples=n, global_batch=global_batch,
-                             data_fingerprint=fingerprint, train_args=settings, log=log)
+                             data_fingerprint=fingerprint, train_args=settings, size_flags=size_flags(args), log=log)
 
     state = newest_checkpoint(args.resume_path) if resuming else None  # None: start fresh
     if resuming and state is None:
         log(f"--from_resume 1: no checkpoint of {run_name(args.save_weight, lm_config)} in "
             f"{args.checkpoint_dir}; starting fresh")
-    model, lm_config = init_model(args, lm_config, log, from_weight=state is None)  # a resume brings its own
+    model, lm_config = init_model(args, lm_config, log, resume_state=state)  # weights: section 5, --from_weight
     model.to(device)  # FP32 master weights; bf16 (or fp16 + GradScaler) autocast on CUDA, fp32 on CPU
     use_cuda = device.type == "cuda"
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.01, fused=use_cuda)

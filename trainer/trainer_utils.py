@@ -270,20 +270,29 @@ SIZE_FLAGS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_ke
               "intermediate_size", "num_experts", "num_experts_per_tok")
 
 
+def size_flags(args) -> dict:
+    """The size flags given on the command line (the others are None)."""
+    sizes = {name: getattr(args, name) for name in SIZE_FLAGS if getattr(args, name) is not None}
+    return {**sizes, "use_moe": bool(sizes.get("use_moe", 0))}
+
+
 def model_config(args, vocab_size: int) -> LMConfig:
     """The model the size flags describe, for a tokenizer of `vocab_size` tokens."""
-    sizes = {name: getattr(args, name) for name in SIZE_FLAGS if getattr(args, name) is not None}
-    return LMConfig(vocab_size=vocab_size, **{**sizes, "use_moe": bool(sizes.get("use_moe", 0))})
+    return LMConfig(vocab_size=vocab_size, **size_flags(args))
 
 
 def init_model(args, lm_config: LMConfig, log: Callable[[str], None],
-               from_weight: bool = True) -> tuple[CausalLM, LMConfig]:
-    """A model of `lm_config` with random weights or, with --from_weight (and `from_weight`), that file's.
+               resume_state: dict | None = None) -> tuple[CausalLM, LMConfig]:
+    """The model to train: the checkpoint's when resuming (its weights are restored later), else one
+    of `lm_config` with --from_weight's weights, or random ones with --from_weight none.
 
-    The sizes are then read from the file's tensors, so minimind's files (or ours of any shape)
-    need no size flags; size flags given are checked against it, and a mismatch names both shapes.
+    With a weights file the sizes are read from its tensors, so minimind's files (or ours of any
+    shape) need no size flags; size flags given are checked against it, and a mismatch names both.
     """
-    if not from_weight or args.from_weight == "none":
+    if resume_state is not None:
+        lm_config = LMConfig.from_dict(resume_state["lm_config"])  # lm_checkpoint checked it against the flags
+        return CausalLM(lm_config), lm_config
+    if args.from_weight == "none":
         return CausalLM(lm_config), lm_config
     path = Path(args.save_dir) / f"{args.from_weight}_{args.hidden_size}{'_moe' if args.use_moe else ''}.pth"
     if not path.is_file():
@@ -370,14 +379,15 @@ def lm_checkpoint(lm_config: LMConfig, weight: str = "full_sft", model=None, opt
                   train_args: dict | None = None, data_fingerprint: dict | None = None,
                   anomaly_state: dict | None = None, keep_last: int = 2, swanlab=None,
                   saver: BackgroundSaver | None = None, resume_path: str | None = None,
-                  num_samples: int | None = None, global_batch: int | None = None, log=print) -> dict | None:
+                  num_samples: int | None = None, global_batch: int | None = None, size_flags: dict | None = None,
+                  log=print) -> dict | None:
     """Save a checkpoint (when `model` is given) or load the newest good one (when it is not).
 
     The positional parameters are minimind's; the keywords after `*` are what exact resume adds.
     Saving runs on every rank (it gathers each rank's RNG state); rank 0 writes, through `saver`.
     Loading returns the newest checkpoint that verifies (or `resume_path`'s), checked against this
-    run's `lm_config`, `data_fingerprint` and `train_args`, its step label for `global_batch`; None
-    if the run has none.
+    run's `lm_config` (or, with `size_flags`, only the sizes given), `data_fingerprint` and
+    `train_args`, its step label for `global_batch`; None if the run has none.
     """
     files = checkpoint_io.RunFiles(Path(checkpoint_dir), run_name(weight, lm_config))
     if model is not None:  # Save
@@ -429,6 +439,11 @@ def lm_checkpoint(lm_config: LMConfig, weight: str = "full_sft", model=None, opt
     train_args = train_args or {"world_size": state["world_size"]}
     if resume_checks.is_minimind_layout(state):  # minimind's file has no cursor: a position from its step
         state = resume_checks.from_minimind_layout(state, lm_config, data_fingerprint, train_args, num_samples, log)
+    if size_flags is not None:  # sizes no flag gives are the checkpoint's own, as with --from_weight's file
+        try:
+            lm_config = LMConfig.from_dict({**state["lm_config"], **size_flags})
+        except (ValueError, TypeError) as error:
+            raise ConfigError(f"{state['resumed_from']}: its model config does not fit this version ({error})")
     if data_fingerprint is not None:  # a run resuming: refuse a changed model, data or setting
         for note in resume_checks.check_resume_compatible(state, lm_config.to_dict(), data_fingerprint, train_args):
             log(f"resume: {note}")
