@@ -151,8 +151,10 @@ class JsonlFile:
                     lines_before += n_lines
                 if not chunk:
                     break
-        empty = np.zeros(0, dtype=np.int64)
-        return np.concatenate([empty, *offsets]), np.concatenate([empty, *line_numbers])
+        if not any(len(block_offsets) for block_offsets in offsets):  # an epoch of 0 samples would never end
+            raise DataFileError(f"{self.path}: no records: the file is empty or holds only blank lines. "
+                                f"Give it one JSON object per line")
+        return np.concatenate(offsets), np.concatenate(line_numbers)
 
     def _index_block(self, block: bytes, lines_before: int,
                      validate: Validator | None) -> tuple[np.ndarray, np.ndarray, int]:

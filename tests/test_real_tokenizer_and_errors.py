@@ -118,3 +118,12 @@ def test_a_resume_with_another_setting_is_one_message_with_the_diff(tmp_path, pr
     train("train_pretrain.py", None, args, tmp_path)
     result = train("train_pretrain.py", None, [*args, "--from_resume", "1", "--seed", "7"], tmp_path, check=False)
     expect_user_error(result, "args.seed: checkpoint has 42, this run has 7")
+
+
+@pytest.mark.parametrize("content", ["", "\n  \n\n"], ids=["empty", "blank_lines"])
+def test_a_data_file_without_records_is_one_message_not_an_endless_epoch(tmp_path, content):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(content, encoding="utf-8")
+    result = train("train_pretrain.py", None, ["--data_path", str(empty), "--save_dir", str(tmp_path / "out")],
+                   tmp_path, check=False, timeout=120)
+    expect_user_error(result, f"{empty}: no records: the file is empty or holds only blank lines")
