@@ -38,10 +38,10 @@ from trainer.resume_checks import data_fingerprint, resume_settings
 from trainer.stopping import StopRequest, continue_command
 from trainer.tracking import Tracker, flops_per_token, validation_loss
 from trainer.trainer_utils import (REPO_ROOT, IndexedDataset, SkipBatchSampler, add_operator_flags,
-                                   cleanup_distributed, epoch_order, get_lr, init_distributed, init_model,
-                                   lm_checkpoint, model_config, rank0_logger, resolve_accumulation,
-                                   restore_training_state, run_name, run_script, setup_seed, size_flags,
-                                   step_in_epoch, step_numbers, steps_left, unwrap)
+                                   cleanup_distributed, epoch_order, get_lr, given_sizes, init_distributed,
+                                   init_model, lm_checkpoint, model_config, rank0_logger, resolve_accumulation,
+                                   restore_training_state, run_name, run_script, setup_seed, step_in_epoch,
+                                   step_numbers, steps_left, unwrap)
 
 
 def parse_args() -> argparse.Namespace:
@@ -109,7 +109,7 @@ def main() -> None:
     def newest_checkpoint(resume_path: str | None = None) -> dict | None:  # for --from_resume and rollbacks
         return lm_checkpoint(lm_config, weight=args.save_weight, checkpoint_dir=args.checkpoint_dir,
                              resume_path=resume_path, num_samples=n, global_batch=global_batch,
-                             data_fingerprint=fingerprint, train_args=settings, size_flags=size_flags(args), log=log)
+                             data_fingerprint=fingerprint, train_args=settings, given_sizes=given_sizes(args), log=log)
 
     state = newest_checkpoint(args.resume_path) if resuming else None  # None: start fresh
     if resuming and state is None:

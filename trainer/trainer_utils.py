@@ -270,7 +270,7 @@ SIZE_FLAGS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_ke
               "intermediate_size", "num_experts", "num_experts_per_tok")
 
 
-def size_flags(args) -> dict:
+def given_sizes(args) -> dict:
     """The size flags given on the command line (the others are None)."""
     sizes = {name: getattr(args, name) for name in SIZE_FLAGS if getattr(args, name) is not None}
     return {**sizes, "use_moe": bool(sizes.get("use_moe", 0))}
@@ -278,7 +278,7 @@ def size_flags(args) -> dict:
 
 def model_config(args, vocab_size: int) -> LMConfig:
     """The model the size flags describe, for a tokenizer of `vocab_size` tokens."""
-    return LMConfig(vocab_size=vocab_size, **size_flags(args))
+    return LMConfig(vocab_size=vocab_size, **given_sizes(args))
 
 
 def init_model(args, lm_config: LMConfig, log: Callable[[str], None],
@@ -356,7 +356,8 @@ def capture_rng_state() -> dict:
                        "gauss_next": py_gauss}}
 
 
-def restore_training_state(state: dict, model, optimizer, scaler, rank: int, world_size: int) -> None:
+def restore_training_state(state: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                           scaler: torch.amp.GradScaler, rank: int, world_size: int) -> None:
     """Weights, optimizer, scaler and (on the same world size only) this rank's RNG from `state`."""
     unwrap(model).load_state_dict(state["model"], strict=True)
     optimizer.load_state_dict(state["optimizer"])
@@ -379,14 +380,14 @@ def lm_checkpoint(lm_config: LMConfig, weight: str = "full_sft", model=None, opt
                   train_args: dict | None = None, data_fingerprint: dict | None = None,
                   anomaly_state: dict | None = None, keep_last: int = 2, swanlab=None,
                   saver: BackgroundSaver | None = None, resume_path: str | None = None,
-                  num_samples: int | None = None, global_batch: int | None = None, size_flags: dict | None = None,
+                  num_samples: int | None = None, global_batch: int | None = None, given_sizes: dict | None = None,
                   log=print) -> dict | None:
     """Save a checkpoint (when `model` is given) or load the newest good one (when it is not).
 
     The positional parameters are minimind's; the keywords after `*` are what exact resume adds.
     Saving runs on every rank (it gathers each rank's RNG state); rank 0 writes, through `saver`.
     Loading returns the newest checkpoint that verifies (or `resume_path`'s), checked against this
-    run's `lm_config` (or, with `size_flags`, only the sizes given), `data_fingerprint` and
+    run's `lm_config` (or, with `given_sizes`, only the sizes the flags give), `data_fingerprint` and
     `train_args`, its step label for `global_batch`; None if the run has none.
     """
     files = checkpoint_io.RunFiles(Path(checkpoint_dir), run_name(weight, lm_config))
@@ -439,9 +440,9 @@ def lm_checkpoint(lm_config: LMConfig, weight: str = "full_sft", model=None, opt
     train_args = train_args or {"world_size": state["world_size"]}
     if resume_checks.is_minimind_layout(state):  # minimind's file has no cursor: a position from its step
         state = resume_checks.from_minimind_layout(state, lm_config, data_fingerprint, train_args, num_samples, log)
-    if size_flags is not None:  # sizes no flag gives are the checkpoint's own, as with --from_weight's file
+    if given_sizes is not None:  # sizes no flag gives are the checkpoint's own, as with --from_weight's file
         try:
-            lm_config = LMConfig.from_dict({**state["lm_config"], **size_flags})
+            lm_config = LMConfig.from_dict({**state["lm_config"], **given_sizes})
         except (ValueError, TypeError) as error:
             raise ConfigError(f"{state['resumed_from']}: its model config does not fit this version ({error})")
     if data_fingerprint is not None:  # a run resuming: refuse a changed model, data or setting
