@@ -9,6 +9,7 @@ metric is logged against the optimizer step, so a resumed run's curves continue 
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import time
@@ -80,7 +81,7 @@ class Tracker:
         self.runs = {}
         for backend in ("wandb", "swanlab"):  # the two clients share this API: init, log(dict, step=), finish
             if backend in loggers:
-                client, run_id = __import__(backend), tracker_ids.get(backend)
+                client, run_id = importlib.import_module(backend), tracker_ids.get(backend)
                 self.runs[backend] = client.init(project=args.wandb_project, name=name, config=dict(vars(args)),
                                                  id=run_id, resume="allow" if run_id else None)
         self.trace = None

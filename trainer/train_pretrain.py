@@ -34,14 +34,14 @@ from model.hf import export_hf
 from model.tokenizer import load_tokenizer
 from trainer.anomaly import AnomalyGuard, AnomalyStop, install_debug_injection
 from trainer.background_save import BackgroundSaver, finish_saves
+from trainer.operator_flags import add_operator_flags
 from trainer.resume_checks import data_fingerprint, resume_settings
 from trainer.stopping import StopRequest, continue_command
 from trainer.tracking import Tracker, flops_per_token, validation_loss
-from trainer.trainer_utils import (REPO_ROOT, IndexedDataset, SkipBatchSampler, add_operator_flags,
-                                   cleanup_distributed, epoch_order, get_lr, given_sizes, init_distributed,
-                                   init_model, lm_checkpoint, model_config, rank0_logger, resolve_accumulation,
-                                   restore_training_state, run_name, run_script, setup_seed, step_in_epoch,
-                                   step_numbers, steps_left, unwrap)
+from trainer.trainer_utils import (REPO_ROOT, IndexedDataset, SkipBatchSampler, cleanup_distributed, epoch_order,
+                                   get_lr, given_sizes, init_distributed, init_model, lm_checkpoint, model_config,
+                                   rank0_logger, resolve_accumulation, restore_training_state, run_name,
+                                   run_script, setup_seed, step_in_epoch, step_numbers, steps_left, unwrap)
 
 
 def parse_args() -> argparse.Namespace:
