@@ -36,6 +36,7 @@ from trainer.anomaly import AnomalyGuard, AnomalyStop, install_debug_injection
 from trainer.background_save import BackgroundSaver, finish_saves
 from trainer.operator_flags import add_operator_flags
 from trainer.resume_checks import data_fingerprint, resume_settings
+from trainer.run_lock import claim_run_directories
 from trainer.stopping import StopRequest, continue_command
 from trainer.tracking import Tracker, flops_per_token, validation_loss
 from trainer.trainer_utils import (REPO_ROOT, IndexedDataset, SkipBatchSampler, cleanup_distributed, epoch_order,
@@ -104,6 +105,7 @@ def main() -> None:
 
     # ---- 4. Model and optimizer: weights from the checkpoint to resume, from --from_weight, or random -
     lm_config = model_config(args, tokenizer.get_vocab_size())
+    claim_run_directories(args, run_name(args.save_weight, lm_config), log)  # one trainer per directory
     resuming = bool(args.from_resume or args.resume_path)
 
     def newest_checkpoint(resume_path: str | None = None) -> dict | None:  # for --from_resume and rollbacks
@@ -113,8 +115,7 @@ def main() -> None:
 
     state = newest_checkpoint(args.resume_path) if resuming else None  # None: start fresh
     if resuming and state is None:
-        log(f"--from_resume 1: no checkpoint of {run_name(args.save_weight, lm_config)} in "
-            f"{args.checkpoint_dir}; starting fresh")
+        log(f"--from_resume 1: no checkpoint of {run_name(args.save_weight, lm_config)} in {args.checkpoint_dir}; starting fresh")
     model, lm_config = init_model(args, lm_config, log, resume_state=state)  # weights: section 5, --from_weight
     model.to(device)  # FP32 master weights; bf16 (or fp16 + GradScaler) autocast on CUDA, fp32 on CPU
     use_cuda = device.type == "cuda"
@@ -170,8 +171,7 @@ def main() -> None:
                 window = len(sampler.step_window(s))
                 micro_batches = [next(batches) for _ in range(sampler.micro_steps_per_step(s))]
                 if guard.should_skip(epoch, samples_consumed):  # it went wrong before a rollback: step over it
-                    log(f"skipping the batch window at sample {samples_consumed} of epoch {epoch + 1} "
-                        f"(it caused an anomaly before the rollback)")
+                    log(f"stepping over the window at sample {samples_consumed} of epoch {epoch + 1} (an anomaly before)")
                     lr, action, reason = 0.0, "skip", "stepped over: this window caused an anomaly before a rollback"
                     numbers = {"loss": math.nan, "grad_norm": math.nan, "local_loss_sum": math.nan,
                                "local_tokens": 0, "input_tokens": 0, "stop": stop.signal is not None}

@@ -37,6 +37,7 @@ from trainer.anomaly import AnomalyStop
 from trainer.background_save import BackgroundSaver
 from trainer.checkpoint_io import CheckpointError
 from trainer.resume_checks import ConfigError
+from trainer.run_lock import release_held
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,6 +62,7 @@ def run_script(main: Callable[[], None]) -> None:
         print(message, file=sys.stdout if code == 3 else sys.stderr, flush=True)
     if code == 2 and dist.is_initialized():  # other ranks may wait in a collective: leave at once
         sys.stdout.flush()
+        release_held()  # os._exit skips atexit, where the directory lock is released otherwise
         os._exit(2)
     cleanup_distributed(exit_code=code)  # an anomaly stop is agreed by all ranks: leave together
     sys.exit(code)
@@ -107,6 +109,7 @@ def cleanup_distributed(exit_code: int = 0) -> None:
     dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
+    release_held()  # the directory lock; os._exit skips atexit
     os._exit(exit_code)
 
 
@@ -353,8 +356,8 @@ def lm_checkpoint(lm_config: LMConfig, weight: str = "full_sft", model=None, opt
                   anomaly_state: dict | None = None, keep_last: int = 2, swanlab=None,
                   saver: BackgroundSaver | None = None, resume_path: str | None = None,
                   num_samples: int | None = None, global_batch: int | None = None, given_sizes: dict | None = None,
-                  log=print) -> dict | None:
-    """Save a checkpoint (when `model` is given) or load the newest good one (when it is not).
+                  log=print) -> dict | Path | None:
+    """Save a checkpoint (when `model` is given; returns the kept file it writes) or load the newest good one.
 
     The positional parameters are minimind's; the keywords after `*` are what exact resume adds.
     Saving runs on every rank (it gathers each rank's RNG state); rank 0 writes, through `saver`.
@@ -403,7 +406,7 @@ def lm_checkpoint(lm_config: LMConfig, weight: str = "full_sft", model=None, opt
                 raise CheckpointError("rank 0 could not save the checkpoint (see its error)")
         if error is not None:
             raise error
-        return None
+        return files.history_file(global_step)  # the kept copy (the _resume.pth link moves on at the next save)
 
     # Load: the newest checkpoint that verifies, checked against this run, its step label rescaled.
     state = checkpoint_io.load_newest(files, resume_path, log)

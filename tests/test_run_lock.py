@@ -1,0 +1,152 @@
+"""One run owns its directories (trainer/run_lock.py): a second trainer is refused, naming the holder; a
+lock is taken over only from a holder that is provably gone; every rank must see rank 0's directory."""
+
+import json
+import multiprocessing
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import (PRETRAIN_RUN, REPO, TINY_MODEL, assert_exit_code, child_env, free_port, launch_command,
+                      run_args, slowed_env, train)
+from trainer import run_lock
+from trainer.resume_checks import ConfigError
+
+
+def foreign_lock(directory, **fields) -> dict:
+    """A lock file as another trainer would have left it."""
+    record = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": run_lock.process_start(os.getpid()),
+              "started": time.time() - 100, "command": "python trainer/train_pretrain.py", "job_id": None,
+              "heartbeat": time.time(), "token": "f" * 16, **fields}
+    (directory / run_lock.LOCK_NAME).write_text(json.dumps(record))
+    return record
+
+
+def lock_of(directory, job_id=None, log=None) -> run_lock.DirectoryLock:
+    return run_lock.DirectoryLock(directory, job_id, log or (lambda message: None))
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited and been reaped."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_live_holder_on_this_host_is_refused_by_name(tmp_path):
+    foreign_lock(tmp_path)  # our own pid: alive
+    with pytest.raises(ConfigError, match=f"in use by another trainer \\(pid {os.getpid()} on "):
+        lock_of(tmp_path).acquire()
+
+
+def test_a_dead_or_reused_pid_is_taken_over_and_logged(tmp_path):
+    for holder in ({"pid": dead_pid()}, {"pid_start": "1"}):  # gone; our pid, but another process's start time
+        foreign_lock(tmp_path, **holder)
+        lines = []
+        lock = lock_of(tmp_path, log=lines.append)
+        lock.acquire()
+        assert lock.held and run_lock.read_lock(lock.path)["token"] == lock.record["token"]
+        assert len(lines) == 1 and lines[0].startswith(f"taking over {lock.path}: its holder is gone")
+        lock.release()
+        assert not lock.path.exists()
+
+
+def test_another_host_is_taken_over_only_with_the_same_job_id_and_a_stale_heartbeat(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_lock, "STALE_AFTER_S", 0.5)
+    monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.2)
+    stale = time.time() - 10
+    foreign_lock(tmp_path, host="other-node", job_id="slurm:77", heartbeat=stale)
+    for job_id in (None, "slurm:78"):  # no identity, or another job's: never taken over
+        with pytest.raises(ConfigError, match="in use by another trainer .* on other-node"):
+            lock_of(tmp_path, job_id).acquire()
+    lines = []
+    lock = lock_of(tmp_path, "slurm:77", lines.append)
+    lock.acquire()
+    assert lock.held and "same job id, heartbeat stale" in lines[0]
+    lock.release()
+
+    # A fresh heartbeat of the same job (its previous attempt died moments ago) is waited out, with a bound.
+    foreign_lock(tmp_path, host="other-node", job_id="slurm:77", heartbeat=time.time())
+    started, lines = time.monotonic(), []
+    lock = lock_of(tmp_path, "slurm:77", lines.append)
+    lock.acquire()
+    assert lock.held and "waiting" in lines[0] and 0.4 < time.monotonic() - started < 5
+    lock.release()
+
+
+def test_a_lock_that_is_not_ours_is_an_error_not_a_silent_takeover(tmp_path):
+    (tmp_path / run_lock.LOCK_NAME).write_text("my notes\n")
+    with pytest.raises(ConfigError, match="is not a lock file of this trainer"):
+        lock_of(tmp_path).acquire()
+    assert (tmp_path / run_lock.LOCK_NAME).read_text() == "my notes\n"
+
+
+def _take(directory, results):
+    lock = lock_of(directory)
+    try:
+        lock.acquire()
+        results.put(lock.record["token"])
+        time.sleep(2)  # hold it while the others try
+    except ConfigError:
+        results.put(None)
+
+
+def test_of_several_starters_on_a_stale_lock_exactly_one_wins(tmp_path):
+    foreign_lock(tmp_path, pid=dead_pid())
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    starters = [context.Process(target=_take, args=(tmp_path, results)) for _ in range(4)]
+    for p in starters:
+        p.start()
+    for p in starters:
+        p.join(60)
+    tokens = [results.get(timeout=5) for _ in starters]
+    assert sum(t is not None for t in tokens) == 1, tokens
+
+
+def test_a_second_trainer_is_refused_and_a_killed_ones_lock_is_taken_over(tmp_path, pretrain_data):
+    run = tmp_path / "run"
+    flags = run_args(run, pretrain_data, "--batch_size", "4", "--epochs", "4", "--from_resume", "1")
+    args = [*TINY_MODEL, *flags, "--save_interval", "1"]
+    first = subprocess.Popen(launch_command("train_pretrain.py", None, args), cwd=tmp_path,
+                             env=slowed_env(step_delay_s=0.5), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    try:
+        lock_file = run / "ckpt" / run_lock.LOCK_NAME
+        deadline = time.monotonic() + 60
+        while not (run / "ckpt" / f"{PRETRAIN_RUN}_history").is_dir() and time.monotonic() < deadline:
+            time.sleep(0.2)  # the first trainer has passed start-up
+        assert lock_file.is_file() and run_lock.read_lock(lock_file)["pid"] == first.pid
+        second = train("train_pretrain.py", None, flags, tmp_path, check=False)
+        assert_exit_code(second, 2)
+        assert second.stderr.strip().splitlines() == [second.stderr.strip()], second.stderr  # one line
+        assert f"in use by another trainer (pid {first.pid} on {socket.gethostname()}" in second.stderr
+        assert "command: " in second.stderr and "last heartbeat" in second.stderr
+        first.send_signal(signal.SIGKILL)
+    finally:
+        first.kill()
+        first.communicate()
+    third = train("train_pretrain.py", None, flags, tmp_path)
+    assert f"taking over {lock_file}: its holder is gone (pid {first.pid}" in third.stdout
+    assert not lock_file.exists()  # released at the end
+
+
+def test_a_rank_that_cannot_see_rank_0s_directory_fails_fast(tmp_path, pretrain_data):
+    # Two "nodes" whose checkpoint directories are not shared: each rank gets its own local directory.
+    script = REPO / "trainer" / "train_pretrain.py"
+    flags = " ".join([*TINY_MODEL, "--data_path", str(pretrain_data), "--save_dir", str(tmp_path / "out"),
+                      "--max_steps", "1"])
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), "--no-python", "sh", "-c",
+               f"exec {sys.executable} {script} {flags} --checkpoint_dir {tmp_path}/node$RANK/ckpt"]
+    result = subprocess.run(command, cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "rank 1 on " in result.stderr and "cannot see the lock rank 0 wrote in" in result.stderr
+    assert "every node must see the same checkpoint directory" in result.stderr
+    assert "trainer/" not in "".join(l for l in result.stderr.splitlines() if l.strip().startswith("File "))
+    assert not (tmp_path / "node0" / "ckpt" / f"{PRETRAIN_RUN}_history").exists()  # no step was trained

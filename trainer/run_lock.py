@@ -1,0 +1,268 @@
+"""One run owns its directories: a lock file with a heartbeat, taken over only from a holder that is gone.
+
+    {checkpoint_dir}/trainer.lock    (and in --save_dir / --metrics_dir when those are other directories)
+    {"host": ..., "pid": ..., "pid_start": ..., "started": ..., "command": ..., "job_id": ...,
+     "heartbeat": ..., "token": ...}
+
+Rank 0 creates the lock with O_CREAT | O_EXCL, so of two trainers started at once exactly one gets it; the
+other is refused with one line naming the holder. A lock left behind (kill -9, a crashed node) is taken over,
+and the log says so, only when its holder is provably gone:
+
+- on this host, its pid is not alive (or is alive with another start time: the pid was reused), as after
+  a torchrun restart or a Ctrl-C'd run's crash;
+- on another host (a requeue on a new node), it carries the same job identity (--run_id, SLURM_JOB_ID or
+  torchrun's --rdzv-id) and its heartbeat is stale. A fresh heartbeat with our job id is waited out, up to
+  STALE_AFTER_S: the previous attempt died moments ago.
+
+A thread rewrites the heartbeat every HEARTBEAT_S seconds. Holding the lock, rank 0 clears temp files of
+killed writes and checks that nothing obstructs the checkpoint paths; then every rank checks that it sees the
+lock rank 0 wrote, i.e. that all nodes share the checkpoint directory. The lock is released at exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import secrets
+import shlex
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch.distributed as dist
+
+from trainer import checkpoint_io
+from trainer.checkpoint_io import CheckpointError, RunFiles, atomic_write_text
+from trainer.resume_checks import ConfigError
+
+LOCK_NAME = "trainer.lock"
+HEARTBEAT_S = float(os.environ.get("TRAINER_HEARTBEAT_S", 15))  # tests shorten it
+STALE_AFTER_S = 4 * HEARTBEAT_S  # four missed beats: the holder is gone (or frozen)
+
+
+def read_lock(path: Path) -> dict | None:
+    """The holder's record, or None when there is no lock. A lock that is not ours to parse is an error."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    try:
+        holder = json.loads(text)
+        if not isinstance(holder, dict) or not {"host", "pid", "token"} <= set(holder):
+            raise ValueError("missing host, pid or token")
+    except ValueError as error:
+        raise ConfigError(f"{path} is not a lock file of this trainer ({error}); if no trainer uses this "
+                          f"directory, remove it") from error
+    return holder
+
+
+def process_start(pid: int) -> str | None:
+    """The start time of `pid` in clock ticks since boot (/proc/PID/stat field 22), None without /proc."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # after "pid (comm)": state is field 3, starttime field 22
+
+
+def pid_alive(pid: int, pid_start: str | None) -> bool:
+    """Is the process `pid` of this host still the one that wrote the lock?"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        pass
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc (macOS): os.kill is all we know
+    fields = stat.rsplit(")", 1)[1].split()
+    if fields[0] == "Z":  # a zombie: dead, not yet reaped
+        return False
+    return pid_start is None or fields[19] == pid_start
+
+
+def describe(holder: dict) -> str:
+    beat = holder.get("heartbeat")
+    age = f"{time.time() - beat:.0f} s ago" if isinstance(beat, (int, float)) else "never"
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
+    return (f"pid {holder['pid']} on {holder['host']}, started {started}, last heartbeat {age}, "
+            f"job id {holder.get('job_id')}, command: {holder.get('command', '?')}")
+
+
+def job_identity(run_id: str | None) -> str | None:
+    """What names this job across restarts and requeues; None when nothing does."""
+    if run_id:
+        return f"run:{run_id}"
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"slurm:{os.environ['SLURM_JOB_ID']}"
+    rdzv = os.environ.get("TORCHELASTIC_RUN_ID")
+    return f"torchrun:{rdzv}" if rdzv and rdzv != "none" else None  # "none": torchrun's default, names nothing
+
+
+class DirectoryLock:
+    """The lock of one directory, held by this process until `release`."""
+
+    def __init__(self, directory: Path, job_id: str | None, log: Callable[[str], None]):
+        self.path, self.log = Path(directory) / LOCK_NAME, log
+        self.record = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": process_start(os.getpid()),
+                       "started": time.time(), "command": shlex.join(sys.argv), "job_id": job_id,
+                       "heartbeat": time.time(), "token": secrets.token_hex(8)}
+        self.held = False
+
+    def acquire(self) -> None:
+        deadline = time.monotonic() + STALE_AFTER_S + 2 * HEARTBEAT_S  # the longest we wait for a stale beat
+        while True:
+            # The record goes into a temp file first and is then linked to the lock's name: os.link fails if
+            # the name exists (like O_EXCL), and a kill at any instant leaves no empty, unreadable lock.
+            tmp = self.path.with_name(f"{LOCK_NAME}.partial-{self.record['host']}-{os.getpid()}.tmp")
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(json.dumps(self.record) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, self.path)
+            except FileExistsError:
+                tmp.unlink()
+                holder = read_lock(self.path)
+                if holder is None:
+                    continue  # released between our two calls: try again
+                wait = self._why_gone(holder)
+                if wait is None:
+                    raise ConfigError(f"{self.path.parent} is in use by another trainer ({describe(holder)}). "
+                                      f"Use another --checkpoint_dir/--save_dir, or stop that run first")
+                if wait > 0:
+                    if time.monotonic() + wait > deadline:
+                        raise ConfigError(f"{self.path.parent}: the lock of this job's previous attempt "
+                                          f"({describe(holder)}) is still beating; is it still running?")
+                    self.log(f"{self.path}: waiting {wait:.0f} s for the heartbeat of this job's previous "
+                             f"attempt ({describe(holder)}) to go stale")
+                    time.sleep(wait)
+                    continue
+                self._remove_if_unchanged(holder)
+                continue
+            tmp.unlink()
+            self.held = True
+            return
+
+    def _why_gone(self, holder: dict) -> float | None:
+        """0: the holder is gone, take over; > 0: seconds to wait for its heartbeat to go stale; None: refuse."""
+        if holder["host"] == self.record["host"]:
+            if not pid_alive(int(holder["pid"]), holder.get("pid_start")):
+                self.log(f"taking over {self.path}: its holder is gone ({describe(holder)}; not alive on this host)")
+                return 0.0
+            return None
+        if self.record["job_id"] is not None and holder.get("job_id") == self.record["job_id"]:
+            age = time.time() - float(holder.get("heartbeat", 0))
+            if age >= STALE_AFTER_S:
+                self.log(f"taking over {self.path}: same job id, heartbeat stale ({describe(holder)})")
+                return 0.0
+            return STALE_AFTER_S - age + 0.1
+        return None
+
+    def _remove_if_unchanged(self, holder: dict) -> None:
+        """Remove the lock we judged, not a newer one another starter wrote in the meantime."""
+        aside = self.path.with_name(f"{LOCK_NAME}.partial-takeover-{self.record['token']}.tmp")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return  # someone else removed it first; the O_EXCL create decides who gets it
+        moved = read_lock(aside)
+        if moved is not None and moved["token"] != holder["token"]:  # a fresh lock: put it back
+            try:
+                os.link(aside, self.path)
+            except FileExistsError:
+                pass  # a third starter created one meanwhile; theirs stands, the create below fails
+        aside.unlink()
+
+    def beat(self) -> None:
+        """Rewrite the heartbeat, unless another process took the lock (then say so, once)."""
+        holder = read_lock(self.path)
+        if holder is None or holder["token"] != self.record["token"]:
+            if self.held:
+                self.log(f"WARNING: {self.path} was taken over ({describe(holder) if holder else 'removed'}); "
+                         f"this run no longer owns {self.path.parent}")
+            self.held = False
+            return
+        self.record["heartbeat"] = time.time()
+        atomic_write_text(self.path, json.dumps(self.record) + "\n")
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            holder = read_lock(self.path)
+            if holder is not None and holder["token"] == self.record["token"]:
+                self.path.unlink()
+
+
+_held: list[DirectoryLock] = []
+_stop_beating = threading.Event()
+
+
+def release_held() -> None:
+    """Release this process's locks (at exit; also called before os._exit, which skips atexit)."""
+    _stop_beating.set()
+    while _held:
+        _held.pop().release()
+
+
+atexit.register(release_held)
+
+
+def _heartbeat_loop() -> None:
+    while not _stop_beating.wait(HEARTBEAT_S):
+        for lock in list(_held):
+            try:
+                lock.beat()
+            except OSError as error:  # a full disk must not kill the thread; the next beat tries again
+                lock.log(f"WARNING: could not write the heartbeat of {lock.path}: {error}")
+
+
+def claim_run_directories(args, run_name: str, log: Callable[[str], None]) -> None:
+    """Rank 0 locks the run's directories (checkpoint dir first), clears killed writes' temp files and checks
+    the checkpoint paths; then every rank checks that it sees rank 0's lock. Raises ConfigError on every rank."""
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    directories = [args.checkpoint_dir, args.save_dir, args.metrics_dir or args.save_dir]
+    unique = list(dict.fromkeys(Path(d).resolve() for d in directories))
+    outcome = [None, None]  # rank 0's error, or the token of its lock
+    if rank == 0:
+        try:
+            for directory in unique:
+                directory.mkdir(parents=True, exist_ok=True)
+                lock = DirectoryLock(directory, job_identity(args.run_id), log)
+                lock.acquire()
+                _held.append(lock)
+            files, out_path = RunFiles(unique[0], run_name), Path(args.save_dir) / f"{run_name}.pth"
+            if hasattr(checkpoint_io, "check_no_obstructions"):  # TEMPORARY until checkpoint_io has them
+                for path in checkpoint_io.remove_stale_temp_files(files, out_path.parent, log):
+                    log(f"removed {path}, left by a write that was killed")
+                checkpoint_io.check_no_obstructions(files, out_path)
+            outcome[1] = _held[0].record["token"]
+            threading.Thread(target=_heartbeat_loop, name="lock-heartbeat", daemon=True).start()
+        except (ConfigError, CheckpointError, OSError) as error:
+            release_held()
+            outcome[0] = f"cannot claim {unique[0]}: {error}" if isinstance(error, OSError) else str(error)
+    if world_size > 1:  # every rank learns rank 0's outcome, so none waits for a collective that never comes
+        dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise ConfigError(outcome[0])
+    seen = read_lock_or_none(unique[0] / LOCK_NAME)
+    if world_size > 1:
+        everyone = [None] * world_size
+        dist.all_gather_object(everyone, (seen is not None and seen["token"] == outcome[1], socket.gethostname()))
+        blind = [f"rank {r} on {host}" for r, (sees, host) in enumerate(everyone) if not sees]
+        if blind:
+            raise ConfigError(f"{', '.join(blind)} cannot see the lock rank 0 wrote in {unique[0]}: every node "
+                              f"must see the same checkpoint directory (a shared filesystem such as NFS)")
+
+
+def read_lock_or_none(path: Path) -> dict | None:
+    try:
+        return read_lock(path)
+    except (ConfigError, OSError):
+        return None
