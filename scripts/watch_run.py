@@ -8,11 +8,25 @@ process and works wherever the files are visible:
     python scripts/watch_run.py out --run_name pretrain_512 --interval 5
     python scripts/watch_run.py out --once                  # print once and exit
     ssh gpu-box "python tiny-llm/scripts/watch_run.py tiny-llm/out --once"
+
+A running job's status file carries a heartbeat, rewritten every few seconds by a thread of the
+trainer, and the time of its last finished step. From the two the watcher tells
+
+    slow    steps still finish, but the last one is older than 3 typical steps (a save, a validation,
+            a busy machine): wait
+    stuck   the heartbeat moves, no step has finished for max(5 min, 10 typical steps): a hang in a
+            collective, the data loader or I/O; look at the process before stopping it
+    dead    no heartbeat for 4 intervals: the process is gone or frozen. The run's lock file
+            ({checkpoint_dir}/trainer.lock) says whether it is, and whether a restart may take over
+
+It never suggests a restart while the lock says the trainer may still be alive: two trainers on one
+checkpoint directory would overwrite each other's saves.
 """
 
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 import time
 from pathlib import Path
@@ -23,8 +37,13 @@ if __package__ in (None, ""):  # run as a file: the repository, not this folder,
 from trainer.tracking import format_duration
 from scripts.run_files import list_runs, read_status
 from trainer.metrics_files import is_train_record, metrics_path, read_metrics, status_path
+from trainer.resume_checks import ConfigError
+from trainer.run_lock import describe, pid_alive, read_lock
 
-STALE_AFTER_S = 300  # a running job that has not written for this long may be dead or hung
+STALE_AFTER_S = 300  # a status file without a heartbeat: not written for this long, the job may be dead or hung
+DEAD_AFTER_BEATS = 4  # missed heartbeats after which the process is gone or frozen (as trainer/run_lock.py judges)
+STUCK_AFTER_S, STUCK_AFTER_STEPS = 300, 10  # no step for max(this, this many typical steps): stuck
+SLOW_AFTER_STEPS = 3  # the last step older than this many typical steps: slow
 BAR_WIDTH = 30
 CLEAR_SCREEN = "\033[2J\033[H"  # ANSI: clear, then cursor to the top-left corner
 # (key in the metrics record, label on screen, format); the last three are logged on CUDA only
@@ -85,13 +104,92 @@ def render_summary(status: dict, records: list[dict], now: float | None = None) 
 
     updated = status.get("updated")
     if updated is not None:
-        age = now - updated
-        lines.append(f"last update {format_duration(age)} ago")
-        if state == "running" and age > STALE_AFTER_S:
-            lines.append(f"WARNING: no update for {format_duration(age)} while the status is 'running': the "
-                         f"process may have died or hung. Check it (ps, nvidia-smi, its log); if it is gone, "
-                         f"restart with --from_resume 1.")
+        lines.append(f"last update {format_duration(now - updated)} ago")
+    if state == "running":
+        lines.extend(liveness(status, now) if status.get("heartbeat") is not None else no_heartbeat(status, now))
     return "\n".join(lines)
+
+
+def span(seconds: float) -> str:
+    """A duration, to the tenth of a second when short (a step can take less than one)."""
+    return f"{seconds:.1f} s" if seconds < 60 else format_duration(seconds)
+
+
+def liveness(status: dict, now: float) -> list[str]:
+    """Slow, stuck or dead, from a running job's heartbeat and the time of its last finished step."""
+    beat, interval = status["heartbeat"], status["heartbeat_interval_s"]
+    beat_age = now - beat
+    if beat_age > DEAD_AFTER_BEATS * interval:
+        return [f"WARNING: dead or frozen: no heartbeat for {format_duration(beat_age)} (it beats every "
+                f"{interval:g} s) while the status is 'running'.", *lock_verdict(status)]
+    typical = (status["latest_metrics"] or {}).get("step_time_s")
+    last_step, last_at = status.get("last_step"), status.get("last_step_at")
+    # Measured at the latest beat, not now: the file knows nothing later, so a fast run read
+    # between two beats does not look slow.
+    quiet = beat - (last_at if last_at is not None else status["started"])
+    pulse = f"heartbeat {span(beat_age)} ago"
+    if last_at is not None:
+        last = f"step {last_step} finished {span(quiet)} before that beat"
+    else:
+        last = f"no step has finished in the {span(quiet)} since this invocation started"
+    if quiet > max(STUCK_AFTER_S, STUCK_AFTER_STEPS * (typical or 0)):
+        pid, host = status.get("pid", "?"), status.get("host", "?")
+        typical_text = f"a typical step takes {typical:.3g} s" if typical else "no step time logged yet"
+        first = "" if last_at is not None else "; a first torch.compile can take minutes"
+        return [f"WARNING: stuck: the process is alive ({pulse}) but {last} ({typical_text}{first}). It may "
+                f"hang in a collective (did another rank die?), the data loader or I/O: look at pid {pid} on "
+                f"{host} (e.g. py-spy dump --pid {pid}). Do not start a second trainer while it holds the lock: "
+                f"stop it first, then restart with --from_resume 1."]
+    if last_at is not None and typical and quiet > SLOW_AFTER_STEPS * typical:
+        return [f"slow: {pulse}, {last}: {quiet / typical:.0f}x a typical step ({typical:.3g} s). A save, a "
+                f"validation or a busy machine; the process is alive, wait."]
+    return [f"alive: {pulse}; {last}"]
+
+
+def lock_verdict(status: dict) -> list[str]:
+    """For a job that stopped beating: what its lock file says about the process, and what to do."""
+    pid, host = status.get("pid"), status.get("host")
+    if not status.get("lock_file"):
+        return [f"The status names no lock file: check pid {pid} on {host} (ps) before restarting anything."]
+    path = Path(status["lock_file"])
+    if not path.parent.is_dir():
+        return [f"{path} is not visible from here: check pid {pid} on {host} before restarting (two trainers on one "
+                f"checkpoint directory would overwrite each other's saves)."]
+    try:
+        holder = read_lock(path)
+    except ConfigError as error:
+        return [f"{error}"]
+    if holder is None:
+        return [f"No trainer holds {path}: the trainer is gone. Restart with --from_resume 1."]
+    if (holder["host"], holder["pid"]) != (host, pid):
+        return [f"{path} is now held by another trainer ({describe(holder)}): this status file's process (pid "
+                f"{pid} on {host}) is gone, and the checkpoints belong to that trainer; do not start another."]
+    if holder["host"] == socket.gethostname():
+        if pid_alive(int(holder["pid"]), holder.get("pid_start")):
+            return [f"The trainer holding {path} is alive but not beating: suspended or frozen? See "
+                    f"`ps -o stat {pid}` (T: stopped, `kill -CONT {pid}` resumes it; D: waiting on a disk). Do not "
+                    f"start another trainer."]
+        return [f"The trainer is gone: pid {pid} no longer runs on this host ({describe(holder)}). Restart with "
+                f"--from_resume 1: the new run takes the lock over and says so."]
+    return [f"{path} is held by pid {pid} on {holder['host']} ({describe(holder)}). A restart on another host takes "
+            f"it over only with the same job id (SLURM_JOB_ID, torchrun --rdzv-id, or --run_id) once its heartbeat "
+            f"is stale; otherwise check {holder['host']} first (is pid {pid} still running there?)."]
+
+
+def no_heartbeat(status: dict, now: float) -> list[str]:
+    """An older run's status file, without a heartbeat: only its last write tells anything."""
+    updated = status.get("updated")
+    if updated is None or now - updated <= STALE_AFTER_S:
+        return []
+    age = format_duration(now - updated)
+    warning = (f"WARNING: no update for {age} while the status is 'running': the process may have died or hung, "
+               f"or may just be between two log steps (this status file has no heartbeat). Check it (ps, "
+               f"nvidia-smi, its log)")
+    lock = status.get("lock_file")
+    if lock and Path(lock).parent.is_dir() and not Path(lock).exists():
+        return [f"{warning}; no trainer holds {lock}, so if it is gone, restart with --from_resume 1."]
+    return [f"{warning} before starting anything: a second trainer on the same checkpoints would overwrite "
+            f"the first one's saves."]
 
 
 def choose_run(metrics_dir: Path, run_name: str | None) -> str:

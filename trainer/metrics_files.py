@@ -11,7 +11,13 @@ first invocation, YYYYmmdd-HHMMSS}`, kept on resume as the wandb/SwanLab id is),
 current_step (the last logged, or the checkpoint's after a resume or rollback), total_steps,
 anomaly_detected (in any invocation), anomaly_reason and anomaly_step (the latest), latest_metrics (the
 latest training line), run_name, epoch, best_loss, best_step, latest_val, resumed_from (this
-invocation's checkpoint step, or null), started, updated. Tools may rely on these names; more may come.
+invocation's checkpoint step, or null), started (this invocation's start), updated (the latest write),
+pid and host (of the rank-0 process writing it), lock_file (the absolute path of the run's
+{checkpoint_dir}/trainer.lock, or null). A run with a heartbeat (the Tracker starts one whenever the file
+logger is on) adds heartbeat (Unix time of the latest beat: a thread rewrites the file every
+heartbeat_interval_s seconds, even while no step finishes), heartbeat_interval_s, and last_step /
+last_step_at (the number and Unix time of the last finished optimizer step as of that beat; null before
+this invocation's first step). Tools may rely on these names; more may come.
 
 On resume the metrics file is cut back to the checkpoint's step: those steps are trained again, and
 two losses for one step would draw a zigzag.
@@ -21,6 +27,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import socket
+import threading
 import time
 from pathlib import Path
 from typing import IO
@@ -72,12 +81,18 @@ def finite_or_null(value):
 class MetricsFileWriter:
     """Writes the two files of `run_name` under `metrics_dir`; made on rank 0 only, by tracking.Tracker."""
 
-    def __init__(self, metrics_dir: str, run_name: str):
+    def __init__(self, metrics_dir: str, run_name: str, *, heartbeat_interval_s: float | None = None,
+                 lock_file: str | None = None):
+        """`heartbeat_interval_s`: the caller calls `beat` that often (None: no heartbeat fields)."""
         self.run_name = run_name
         self.metrics_file = metrics_path(metrics_dir, run_name)
         self.status_file = status_path(metrics_dir, run_name)
+        self.heartbeat_interval_s, self.lock_file = heartbeat_interval_s, lock_file
         self.file: IO[str] | None = None
         self.status: dict = {}
+        # The heartbeat thread and the loop both update and rewrite the status: one at a time, so no
+        # write sees the dict half-updated (or changing size mid-dump) and no older snapshot lands last.
+        self.lock = threading.Lock()
 
     def begin(self, start_step: int, total_steps: int) -> None:
         """A fresh run starts fresh files; a resumed one cuts its metrics back to `start_step`."""
@@ -102,12 +117,16 @@ class MetricsFileWriter:
             "latest_metrics": train[-1] if train else {},
             "best_loss": best["loss"] if best else None, "best_step": best["step"] if best else None,
             "latest_val": val[-1] if val else None, "resumed_from": start_step if start_step > 0 else None,
-            "started": now, "updated": now,
+            "started": now, "updated": now, "pid": os.getpid(), "host": socket.gethostname(),
+            "lock_file": self.lock_file,
         }
+        if self.heartbeat_interval_s is not None:
+            self.status.update(heartbeat=now, heartbeat_interval_s=self.heartbeat_interval_s,
+                               last_step=None, last_step_at=None)
         self.file = open(self.metrics_file, "a", encoding="utf-8")
         if start_step > 0:
             self._append({"event": "resume", "step": start_step, "timestamp": now})
-        self._write_status()
+        self._update_status()
 
     def log(self, metrics: dict, total_steps: int) -> None:
         record = {**metrics, "timestamp": time.time()}
@@ -115,20 +134,17 @@ class MetricsFileWriter:
         loss, best = metrics.get("loss"), self.status.get("best_loss")
         if loss is not None and math.isfinite(loss) and (best is None or loss < best):
             self.status["best_loss"], self.status["best_step"] = loss, metrics["step"]
-        self.status.update(current_step=metrics["step"], epoch=metrics.get("epoch"), latest_metrics=record,
-                           total_steps=total_steps)
-        self._write_status()
+        self._update_status(current_step=metrics["step"], epoch=metrics.get("epoch"), latest_metrics=record,
+                            total_steps=total_steps)
 
     def validation(self, step: int, loss: float) -> None:
         record = {"step": step, "val/loss": loss, "timestamp": time.time()}
         self._append(record)
-        self.status["latest_val"] = record
-        self._write_status()
+        self._update_status(latest_val=record)
 
     def anomaly(self, step: int, reason: str) -> None:
-        self.status.update(anomaly_detected=True, anomaly_reason=reason, anomaly_step=step)
         self._append({"event": "anomaly", "step": step, "reason": reason, "timestamp": time.time()})
-        self._write_status()
+        self._update_status(anomaly_detected=True, anomaly_reason=reason, anomaly_step=step)
 
     def rollback(self, step: int, total_steps: int) -> None:
         """Back at checkpoint `step`: later records will be logged again, but the anomaly stays."""
@@ -136,17 +152,23 @@ class MetricsFileWriter:
         self.file.close()
         self.file = open(self.metrics_file, "a", encoding="utf-8")
         self._append({"event": "rollback", "step": step, "timestamp": time.time()})
-        self.status.update(current_step=step, total_steps=total_steps)
-        self._write_status()
+        self._update_status(current_step=step, total_steps=total_steps)
 
     def finish(self, status: str, step: int) -> None:
         if status not in RUN_STATES:
             raise ValueError(f"unknown run status {status!r}; expected one of {RUN_STATES}")
-        self.status.update(status=status, current_step=step)
-        self._write_status()
+        self._update_status(status=status, current_step=step)
         if self.file is not None:
             self.file.close()
             self.file = None
+
+    def beat(self, last_step: int | None, last_step_at: float | None) -> None:
+        """The heartbeat (from the Tracker's thread): the process is alive; the last step finished then."""
+        with self.lock:
+            if self.status.get("status") != "running":  # a beat racing the end must not look like life after it
+                return
+            self.status.update(heartbeat=time.time(), last_step=last_step, last_step_at=last_step_at)
+            self._write_status()
 
     def _cut_back_to(self, step: int) -> list[dict]:
         """Keep only records up to `step` (and anomaly events, which explain the rollback after them),
@@ -162,7 +184,13 @@ class MetricsFileWriter:
         self.file.write(json.dumps(finite_or_null(record)) + "\n")
         self.file.flush()
 
+    def _update_status(self, **fields) -> None:
+        with self.lock:
+            self.status.update(fields)
+            self._write_status()
+
     def _write_status(self) -> None:
+        """Call with self.lock held."""
         # Imported here so the readers above (watch and plot scripts) work on a machine without torch.
         from trainer.checkpoint_io import atomic_write_text
         self.status["updated"] = time.time()

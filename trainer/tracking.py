@@ -5,6 +5,10 @@ The loop calls one object, `Tracker`: `step` after every optimizer step, `log` a
 `validation`, `anomaly`, `rollback`, `saved`, `finish` when those happen. Rank 0 fans each call out to
 the --logger backends; every rank writes its own lines of the --save_debug_train_output trace. Every
 metric is logged against the optimizer step, so a resumed run's curves continue where they stopped.
+
+With the file logger on, a daemon thread on rank 0 rewrites the status file every
+TRAINER_HEARTBEAT_S seconds (trainer/run_lock.py reads it; default 15) with a heartbeat and the last
+finished step, so scripts/watch_run.py can tell a slow run from a stuck or a dead one between log steps.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -19,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.metrics_files import MetricsFileWriter
+from trainer.run_lock import HEARTBEAT_S, LOCK_NAME
 
 # Dense bf16 peak of common GPUs (TFLOPS), for MFU = achieved / peak model FLOPs.
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "4090": 165.0, "A10": 125.0}
@@ -77,7 +83,9 @@ class Tracker:
         loggers |= {"wandb"} if is_main and args.use_wandb else set()
         loggers |= {"swanlab"} if is_main and args.use_swanlab else set()
         self.is_main, self.device, self.epochs, self.console = is_main, device, args.epochs, "console" in loggers
-        self.files = MetricsFileWriter(args.metrics_dir or args.save_dir, name) if "file" in loggers else None
+        self.files = MetricsFileWriter(args.metrics_dir or args.save_dir, name, heartbeat_interval_s=HEARTBEAT_S,
+                                       lock_file=str(Path(args.checkpoint_dir).resolve() / LOCK_NAME)
+                                       ) if "file" in loggers else None
         self.runs = {}
         for backend in ("wandb", "swanlab"):  # the two clients share this API: init, log(dict, step=), finish
             if backend in loggers:
@@ -93,13 +101,37 @@ class Tracker:
         self.started = self.last_log = time.perf_counter()
         self.current_step = self.last_log_step = start_step
         self.steps_done, self.tokens, self.saves, self.save_blocked_s = 0, 0, 0, 0.0
+        self.log_interval, self.async_save = args.log_interval, bool(args.async_save)
+        self.last_finished = (None, None)  # (step, Unix time): one tuple, so the heartbeat never reads half
+        self.stop_beating, self.heartbeat = threading.Event(), None
         if self.files is not None:
             self.files.begin(start_step, total_steps)
+            # A daemon thread: it never keeps a finished or crashed process alive.
+            self.heartbeat = threading.Thread(target=self._beat, name="status-heartbeat", daemon=True)
+            self.heartbeat.start()
+
+    def _beat(self) -> None:
+        """The heartbeat thread: Python values only, so it never waits on (or syncs with) the device."""
+        while not self.stop_beating.wait(HEARTBEAT_S):
+            try:
+                self.files.beat(*self.last_finished)
+            except OSError as error:  # a full disk must not end the heartbeat: say so, the next beat tries again
+                print(f"WARNING: could not write the heartbeat to {self.files.status_file}: {error}", flush=True)
+
+    def _stop_heartbeat(self) -> None:
+        self.stop_beating.set()
+        if self.heartbeat is not None:
+            self.heartbeat.join(timeout=2 * HEARTBEAT_S)  # a beat mid-write finishes; a hung disk is not waited on
+            self.heartbeat = None
 
     def step(self, record: dict, tokens: int) -> None:
         """After every optimizer step, on every rank: the trace line, and the tokens for tokens/s."""
         if self.trace is not None:
             os.write(self.trace, (json.dumps(record) + "\n").encode("utf-8"))
+        if self.is_main and self.steps_done == 0:  # the first sign of life a slow machine's user gets
+            print(f"first step done after {time.perf_counter() - self.started:.1f} s (step {record['step']}; "
+                  f"a log line every {self.log_interval} steps)", flush=True)
+        self.last_finished = (record["step"], time.time())
         self.current_step, self.steps_done, self.tokens = record["step"], self.steps_done + 1, self.tokens + tokens
 
     def log(self, metrics: dict, step: int, total_steps: int) -> None:
@@ -148,11 +180,13 @@ class Tracker:
 
     def finish(self, status: str) -> None:
         """`status`: completed, stopped or failed. Closes every backend."""
+        self._stop_heartbeat()  # before the last write: no beat lands after it
         if self.is_main and status != "failed":
             elapsed = max(time.perf_counter() - self.started, 1e-9)
             print(f"{self.saves} saves blocked training for {self.save_blocked_s:.3f} s "
                   f"({100 * self.save_blocked_s / elapsed:.2f}% of this run's time)", flush=True)
         if self.files is not None:
+            self.files.beat(*self.last_finished)  # the last step, also of a run shorter than one beat
             self.files.finish(status, self.current_step)
         for backend, run in self.runs.items():
             run.finish(**({"exit_code": 0 if status != "failed" else 1} if backend == "wandb" else {}))
@@ -167,3 +201,4 @@ class Tracker:
     def __exit__(self, error_type, error, traceback) -> None:
         if error is not None:  # the status file and the tracker runs say the run failed
             self.finish("failed")
+        self._stop_heartbeat()
