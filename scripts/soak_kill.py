@@ -198,11 +198,11 @@ def fresh(paths, since: float) -> list[Path]:
 
 def phase_at_kill(files: RunFiles, out_dir: Path, since: float, trained: bool) -> str:
     """What the job was doing when it died, read from the files this launch left behind."""
-    if fresh(out_dir.glob("*.pth.tmp"), since):
+    if fresh(out_dir.glob("*.pth.partial-*.tmp"), since):
         return "saving: writing the FP16 weights"
-    if fresh(files.history_dir.glob("*.pth.tmp"), since):
+    if fresh(files.history_dir.glob("*.pth.partial-*.tmp"), since):
         return "saving: writing checkpoint data"
-    if fresh(files.history_dir.glob("*.json.tmp"), since):
+    if fresh(files.history_dir.glob("*.json.partial-*.tmp"), since):
         return "saving: writing the manifest"
     newest = fresh(files.history()[:1], since)
     if newest and not manifest_path(newest[0]).exists():
@@ -310,7 +310,8 @@ def kill_and_resume(make_command: MakeCommand, flags: list, env: dict, run_dir: 
         launcher = launch(make_command(flags), env, logs / f"launch_{number:03d}.log")
 
         def saving() -> bool:
-            return bool(fresh([*(run_dir / "out").glob("*.pth.tmp"), *files.history_dir.glob("*.pth.tmp")], started))
+            temps = [*(run_dir / "out").glob("*.pth.partial-*.tmp"), *files.history_dir.glob("*.pth.partial-*.tmp")]
+            return bool(fresh(temps, started))
 
         def training() -> bool:
             return trace.exists() and trace.stat().st_size > size_before

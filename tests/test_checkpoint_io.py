@@ -1,6 +1,8 @@
-"""Checkpoint files that survive truncation, flipped bits, hostile pickles, a full disk and debris.
+"""Checkpoint files that survive truncation, flipped bits, hostile pickles, a full disk, unreadable
+files, obstructions and debris.
 
-Direct calls of trainer/checkpoint_io.py on small states; the kill -9 tests with real torchrun
+Direct calls of trainer/checkpoint_io.py on small states, and at the end two real training processes
+(a resume past a damaged checkpoint, an obstruction found at start); the kill -9 tests with real torchrun
 jobs are in test_fault_injection.py.
 """
 
@@ -8,13 +10,20 @@ from __future__ import annotations
 
 import errno
 import functools
+import json
 import os
 import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import PRETRAIN_RUN, REPO, assert_exit_code, child_env, read_trace, run_args, train
 from trainer import checkpoint_io as cio
 from trainer.checkpoint_io import CheckpointError, RunFiles
 
@@ -94,6 +103,10 @@ def test_damaged_newest_is_detected_and_the_previous_one_is_used(files, damage, 
     assert path == older and state["step"] == 2
     skipped = [line for line in log if line.startswith("skipping")]
     assert len(skipped) == 1 and newest.name in skipped[0] and reason in skipped[0]
+    # Moved out of the history with its manifest, and the line says where; the resume link names the one used.
+    assert str(files.failed_dir / newest.name) in skipped[0] and not newest.exists()
+    assert (files.failed_dir / "step_00000004.json").is_file()
+    assert_newest_is(files, older)
 
 
 def test_when_every_file_is_bad_the_error_lists_each_file_tried(files):
@@ -140,6 +153,7 @@ def test_malicious_pickle_with_matching_manifest_is_refused_and_never_runs(files
     path, _ = cio.newest_good_checkpoint(files, log)
     assert path == good and any(evil.name in line and "is refused" in line for line in log)
     assert not marker.exists(), "unpickling ran code"
+    assert (files.failed_dir / evil.name).is_file() and not evil.exists()  # a file that fails to load goes too
 
 
 # ---- a failing disk leaves the previous checkpoint in charge -----------------------------------
@@ -168,14 +182,14 @@ class FullDisk:
         self.file.close()
 
 
-def fill_disk_after(monkeypatch, budget: int, only_suffix: str) -> None:
+def fill_disk_after(monkeypatch, budget: int, only_kind: str) -> None:
     # We cannot fill the test machine's disk, so we fail at the OS boundary instead: checkpoint_io's
     # `open` returns a file whose write() raises ENOSPC once `budget` bytes are in, for temp files of
-    # one kind (".pth.tmp": the checkpoint data; ".json.tmp": its manifest). Everything above the
-    # write (torch.save, hashing, cleanup, error reporting) runs for real.
+    # one kind ("NAME.pth.partial-...": the checkpoint data; "NAME.json.partial-...": its manifest).
+    # Everything above the write (torch.save, hashing, cleanup, error reporting) runs for real.
     def open_on_a_full_disk(path, mode="r", *args, **kwargs):
         file = open(path, mode, *args, **kwargs)
-        return FullDisk(file, budget) if str(path).endswith(only_suffix) else file
+        return FullDisk(file, budget) if f"{only_kind}.partial-" in Path(path).name else file
     monkeypatch.setattr(cio, "open", open_on_a_full_disk, raising=False)
 
 
@@ -187,11 +201,11 @@ def assert_previous_still_in_charge(files: RunFiles, previous: Path) -> None:
     assert cio.newest_good_checkpoint(files, log)[0] == previous and log == []
 
 
-@pytest.mark.parametrize("budget,suffix", [(0, ".pth.tmp"), (3000, ".pth.tmp"), (10, ".json.tmp")])
+@pytest.mark.parametrize("budget,kind", [(0, ".pth"), (3000, ".pth"), (10, ".json")])
 def test_disk_full_during_save_raises_and_leaves_the_previous_checkpoint_in_charge(files, monkeypatch,
-                                                                                  budget, suffix):
+                                                                                  budget, kind):
     previous = save(files, 2)
-    fill_disk_after(monkeypatch, budget, suffix)
+    fill_disk_after(monkeypatch, budget, kind)
     with pytest.raises(CheckpointError) as caught:
         save(files, 4)
     message = str(caught.value)
@@ -229,15 +243,17 @@ def test_read_only_checkpoint_dir_raises_a_checkpoint_error_naming_the_file(file
 
 # ---- debris of a killed save -------------------------------------------------------------------
 
-def test_debris_of_a_killed_save_is_cleaned_by_the_next_save(files):
+def test_debris_of_a_killed_save_leaves_the_history_and_another_writers_temp_file_is_left_alone(files):
     save(files, 2)
     save(files, 4)
     orphan = files.history_file(3)  # killed after its data was renamed, before its manifest
     orphan.write_bytes(b"half a checkpoint")
-    (files.history_dir / "step_00000006.pth.tmp").write_bytes(b"killed while writing")
+    in_flight = files.history_dir / "step_00000006.pth.partial-otherhost-7-7.tmp"  # not this save's to touch
+    in_flight.write_bytes(b"another writer's bytes")
     save(files, 6)
     assert [p.name for p in files.history()] == ["step_00000006.pth", "step_00000004.pth"]
-    assert names(files.history_dir, "*.tmp") == []
+    assert (files.failed_dir / orphan.name).read_bytes() == b"half a checkpoint"  # out of the way, not deleted
+    assert in_flight.exists()
 
 
 def test_a_newer_file_without_manifest_is_skipped_as_an_interrupted_save(files):
@@ -272,3 +288,251 @@ def test_files_without_manifests_after_a_completed_save_are_refused_not_ignored(
     with pytest.raises(CheckpointError, match="no usable checkpoint") as caught:
         cio.newest_good_checkpoint(files, Lines())
     assert "step_00000004.pth" in str(caught.value) and "step_00000002.pth" in str(caught.value)
+
+
+# ---- rotation counts only checkpoints that verify ----------------------------------------------
+
+def replace_with_flipped(path: Path) -> None:
+    """Damage a file the way a copy or a bad sync does: new bytes under the same name (a new inode)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.with_name("damaged").write_bytes(bytes(data))
+    os.replace(path.with_name("damaged"), path)
+
+
+def test_after_resuming_past_a_damaged_newest_rotation_keeps_keep_last_good_ones(files):
+    # A run saved steps 3, 6 and 9; step 9 was damaged; resume went on from 6 and saved 7 with keep_last 2.
+    # Counting the damaged 9 as one of the two would have deleted the good 6.
+    for step in (3, 6, 9):
+        save(files, step, keep_last=3)
+    flip_byte_in_middle(files.history_file(9))
+    log = Lines()
+    assert cio.newest_good_checkpoint(files, log)[0] == files.history_file(6)
+    save(files, 7, keep_last=2)
+    assert [p.name for p in files.history()] == ["step_00000007.pth", "step_00000006.pth"]
+    assert all(cio.verify(p) is None for p in files.history())
+    assert names(files.failed_dir, "*") == ["step_00000009.json", "step_00000009.pth"]
+    assert any(str(files.failed_dir / "step_00000009.pth") in line for line in log)
+    assert_newest_is(files, files.history_file(7))
+    assert names(files.checkpoint_dir, "*unmanaged*") == []  # the link named 6 after the resume: ours, replaced
+
+
+def test_rotation_moves_a_damaged_older_checkpoint_aside_and_keeps_keep_last_good_ones(files, capsys):
+    for step in (1, 2, 3):
+        save(files, step, keep_last=3)
+    replace_with_flipped(files.history_file(2))
+    save(files, 4, keep_last=3)
+    assert [p.name for p in files.history()] == ["step_00000004.pth", "step_00000003.pth", "step_00000001.pth"]
+    assert names(files.failed_dir, "*") == ["step_00000002.json", "step_00000002.pth"]
+    assert "SHA-256 does not match" in capsys.readouterr().out
+    # A second damaged file of the same step is moved aside too, never over the first one.
+    save(files, 2, keep_last=4)
+    replace_with_flipped(files.history_file(2))
+    save(files, 5, keep_last=4)
+    assert names(files.failed_dir, "*.pth") == ["step_00000002.2.pth", "step_00000002.pth"]
+    assert "SHA-256 does not match" in cio.verify(files.failed_dir / "step_00000002.2.pth")
+
+
+def test_rotation_hashes_each_kept_file_once_per_process_not_at_every_save(files):
+    for step in (1, 2, 3):
+        save(files, step, keep_last=3)
+    before = cio.hashes_computed
+    for step in (4, 5, 6):  # each file was hashed while it was written: rotation reads none back
+        save(files, step, keep_last=3)
+    assert cio.hashes_computed == before
+    cio._known_hashes.clear()  # as in a new process after a restart: nothing is known yet
+    save(files, 7, keep_last=3)  # verifies 6 and 5 (kept) and 4 (rotated away), once each
+    assert cio.hashes_computed == before + 3
+    save(files, 8, keep_last=3)
+    save(files, 9, keep_last=3)
+    assert cio.hashes_computed == before + 3
+    replace_with_flipped(files.history_file(8))  # a changed file (new inode) is hashed again, and caught
+    save(files, 10, keep_last=3)
+    assert cio.hashes_computed == before + 4 and (files.failed_dir / "step_00000008.pth").is_file()
+    assert [p.name for p in files.history()] == ["step_00000010.pth", "step_00000009.pth", "step_00000007.pth"]
+
+
+# ---- an unreadable checkpoint is skipped like a corrupt one ------------------------------------
+
+RESUME_AS_ANOTHER_USER = """
+import io, json, os, pathlib, pwd, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from trainer import checkpoint_io as cio
+buffer = io.BytesIO()
+torch.save({"x": torch.zeros(1)}, buffer)
+torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)  # torch's lazy imports, while they are readable
+if os.geteuid() == 0:  # root reads every file: run as `nobody`, who owns the folder but may not read one file
+    nobody = pwd.getpwnam("nobody")
+    os.setgroups([])
+    os.setgid(nobody.pw_gid)
+    os.setuid(nobody.pw_uid)
+lines = []
+path, state = cio.newest_good_checkpoint(cio.RunFiles(pathlib.Path(sys.argv[2]), "pretrain_32"), lines.append)
+print(json.dumps({"path": str(path), "step": state["step"], "log": lines}))
+"""
+
+
+@pytest.mark.parametrize("unreadable", [".pth", ".json"])
+def test_an_unreadable_newest_checkpoint_or_manifest_is_skipped_and_the_older_one_used(unreadable):
+    if os.geteuid() == 0:
+        try:
+            import pwd
+            nobody = pwd.getpwnam("nobody")
+        except KeyError:
+            pytest.skip("running as root without a `nobody` user to drop privileges to")
+    # Not under pytest's tmp_path: its parents are private to the user running the tests.
+    checkpoint_dir = Path(tempfile.mkdtemp(prefix="unreadable-"))
+    try:
+        files = RunFiles(checkpoint_dir, "pretrain_32")
+        older, newest = save(files, 2), save(files, 4)
+        if os.geteuid() == 0:
+            for path in [checkpoint_dir, *checkpoint_dir.rglob("*")]:
+                os.chown(path, nobody.pw_uid, nobody.pw_gid, follow_symlinks=False)
+        newest.with_suffix(unreadable).chmod(0o000)
+        result = subprocess.run([sys.executable, "-c", RESUME_AS_ANOTHER_USER, str(REPO), str(checkpoint_dir)],
+                                capture_output=True, text=True, timeout=120, env=child_env())
+        assert_exit_code(result)
+        resumed = json.loads(result.stdout.splitlines()[-1])
+        assert resumed["path"] == str(older) and resumed["step"] == 2
+        skipped = [line for line in resumed["log"] if line.startswith("skipping")]
+        assert len(skipped) == 1 and newest.name in skipped[0] and "cannot be read" in skipped[0]
+        assert "Permission denied" in skipped[0] and str(files.failed_dir / newest.name) in skipped[0]
+    finally:
+        shutil.rmtree(checkpoint_dir)
+
+
+# ---- obstructions are found before training starts ---------------------------------------------
+
+def test_every_obstruction_is_named_in_one_line_and_nothing_is_changed(files, tmp_path):
+    save(files, 2)
+    out_path = tmp_path / "out" / "pretrain_32.pth"
+    assert cio.find_obstructions(files, out_path) == []
+    files.failed_dir.write_text("a file where the folder for failed checkpoints goes")
+    folders = [files.history_file(3), files.history_dir / "step_00000003.json", files.latest_pointer, out_path]
+    files.latest_pointer.unlink()
+    for folder in folders:
+        folder.mkdir(parents=True)
+    os.mkfifo(files.history_file(4))  # reading it would wait forever
+    (files.history_dir / "step_00000005.pth").symlink_to(tmp_path / "nowhere")
+    files.resume_link.unlink()
+    files.resume_link.mkdir()
+    (files.history_dir / "notes").mkdir()  # not a name a save writes: not in the way
+    found = cio.find_obstructions(files, out_path)
+    expected = [*folders, files.resume_link, files.failed_dir, files.history_file(4), files.history_file(5)]
+    assert len(found) == len(expected)
+    for path in expected:
+        assert sum(line.startswith(f"{path} is ") for line in found) == 1, (path, found)
+    with pytest.raises(CheckpointError) as caught:
+        cio.check_no_obstructions(files, out_path)
+    message = str(caught.value)
+    assert "\n" not in message and all(str(path) in message for path in expected)
+    assert "Move them out of the way" in message
+    assert all(path.is_dir() for path in folders) and files.failed_dir.is_file()
+
+
+def test_a_history_folder_that_is_a_file_is_an_obstruction(files, tmp_path):
+    files.checkpoint_dir.mkdir()
+    files.history_dir.write_text("not a folder")
+    assert cio.find_obstructions(files, tmp_path / "out" / "pretrain_32.pth") == [
+        f"{files.history_dir} is a file, where this run needs a folder"]
+
+
+# ---- temp files are the writer's own -----------------------------------------------------------
+
+def test_two_writers_of_one_file_use_two_temp_names_and_leave_none(tmp_path):
+    target, both_writing = tmp_path / "step_00000001.pth", threading.Barrier(2, timeout=30)
+    temps_seen, errors = [], []
+
+    def write(content: bytes):
+        def slow_write(f):
+            f.write(content)
+            both_writing.wait()  # each writer's temp file exists now, under its own name
+            temps_seen.append(sorted(p.name for p in tmp_path.glob("*.tmp")))
+            both_writing.wait()
+        try:
+            cio.atomic_write(target, slow_write)
+        except Exception as error:  # reported by the assertion below
+            errors.append(error)
+
+    writers = [threading.Thread(target=write, args=(content,)) for content in (b"first", b"second")]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(timeout=60)
+    assert errors == [] and len(temps_seen) == 2 and len(set(temps_seen[0])) == 2
+    assert all(f"-{os.getpid()}-" in name and name.startswith("step_00000001.pth.partial-") for name in temps_seen[0])
+    assert target.read_bytes() in (b"first", b"second") and list(tmp_path.glob("*.tmp")) == []
+
+
+def test_stale_temp_files_of_the_run_are_removed_and_nothing_else(files, tmp_path):
+    out_dir = tmp_path / "out"
+    save(files, 2)
+    ours = [files.history_dir / "step_00000004.pth.tmp",  # an earlier version's fixed name
+            files.history_dir / "step_00000004.pth.partial-node1-123-456.tmp",
+            files.history_dir / "step_00000004.json.partial-node1-123-456.tmp",
+            files.checkpoint_dir / "pretrain_32_resume.pth.partial-node1-123-456.tmp",
+            files.checkpoint_dir / "pretrain_32_latest.txt.tmp", out_dir / "pretrain_32.pth.partial-node2-9-9.tmp"]
+    not_ours = [files.history_dir / "notes.tmp", files.checkpoint_dir / "full_sft_32_resume.pth.partial-n-1-1.tmp",
+                out_dir / "pretrain_32.pth.partial-n-1-1.tmp.bak", out_dir / "mine.tmp",
+                out_dir / "trainer.lock.partial-n-1.tmp", files.checkpoint_dir / "pretrain_32_resume.pth.old.tmp"]
+    out_dir.mkdir()
+    for path in ours + not_ours:
+        path.write_bytes(b"x")
+    (files.history_dir / "step_00000005.pth.tmp").mkdir()  # not a file a write leaves: left alone
+    log = Lines()
+    removed = cio.remove_stale_temp_files(files, out_dir, log)
+    assert sorted(removed) == sorted(ours) and not any(path.exists() for path in ours)
+    assert all(path.exists() for path in not_ours) and (files.history_dir / "step_00000005.pth.tmp").is_dir()
+    assert len(log) == len(ours) and all(any(str(path) in line for line in log) for path in ours)
+    assert cio.verify(files.history_file(2)) is None
+
+
+# ---- files are made like any other file --------------------------------------------------------
+
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o077, 0o600)])
+def test_checkpoint_files_get_the_mode_the_umask_gives(files, tmp_path, umask, mode):
+    previous = os.umask(umask)
+    try:
+        out_path = tmp_path / "out" / "pretrain_32.pth"
+        cio.write_checkpoint_files(files, out_path, small_state(2), 2, {"epoch": 0, "global_step": 2})
+    finally:
+        os.umask(previous)
+    path = files.history_file(2)
+    for written in (path, cio.manifest_path(path), files.latest_pointer, files.resume_link, out_path):
+        assert written.stat().st_mode & 0o777 == mode, written
+
+
+# ---- end to end: real training processes -------------------------------------------------------
+
+def test_resume_past_a_damaged_newest_checkpoint_keeps_the_good_older_one(tmp_path, pretrain_data):
+    files = RunFiles(tmp_path / "ckpt", PRETRAIN_RUN)
+    args = run_args(tmp_path, pretrain_data, "--batch_size", "2", "--epochs", "1")
+    train("train_pretrain.py", None, [*args, "--save_interval", "2", "--max_steps", "4", "--keep_last", "3"],
+          cwd=tmp_path)
+    assert [p.name for p in files.history()] == ["step_00000004.pth", "step_00000002.pth"]
+    flip_byte_in_middle(files.history_file(4))
+    # Resumes from step 2 and saves step 3: counting the damaged 4 among two would delete the good 2.
+    result = train("train_pretrain.py", None, [*args, "--from_resume", "1", "--max_steps", "1", "--keep_last", "2"],
+                   cwd=tmp_path)
+    assert [p.name for p in files.history()] == ["step_00000003.pth", "step_00000002.pth"]
+    assert all(cio.verify(p) is None for p in files.history())
+    assert names(files.failed_dir, "*") == ["step_00000004.json", "step_00000004.pth"]
+    assert str(files.failed_dir / "step_00000004.pth") in result.stdout + result.stderr
+    assert_newest_is(files, files.history_file(3))
+
+
+@pytest.mark.skip(reason="needs the start-up call")
+def test_a_folder_where_the_next_checkpoint_goes_stops_the_run_before_training(tmp_path, pretrain_data):
+    files = RunFiles(tmp_path / "ckpt", PRETRAIN_RUN)
+    args = run_args(tmp_path, pretrain_data, "--batch_size", "2", "--epochs", "1", "--save_interval", "1")
+    train("train_pretrain.py", None, [*args, "--max_steps", "1"], cwd=tmp_path)
+    files.history_file(2).mkdir()  # where the resumed run's first save would go
+    steps_before = len(read_trace(tmp_path / "trace.jsonl"))
+    result = train("train_pretrain.py", None, [*args, "--from_resume", "1", "--max_steps", "1"], cwd=tmp_path,
+                   check=False)
+    assert_exit_code(result, 2)
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if str(files.history_file(2)) in line]
+    assert len(errors) == 1 and "is a folder" in errors[0] and "Traceback" not in result.stderr
+    assert len(read_trace(tmp_path / "trace.jsonl")) == steps_before  # not a step trained
+    assert files.history_file(2).is_dir() and cio.verify(files.history_file(1)) is None

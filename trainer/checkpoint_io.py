@@ -6,15 +6,21 @@ Layout for a run named R (e.g. `pretrain_512`) in the checkpoint directory:
       R_resume.pth              the newest verified state (a hard link to the newest history file)
       R_latest.txt              the name of that history file, written atomically
       R_history/
-        step_00000200.pth       older verified states, `--keep_last` of them
-        step_00000200.json      manifest: size, sha256, epoch, step, samples consumed
-        step_00000300.pth
-        step_00000300.json
+        step_00000300.pth       verified states, the newest `--keep_last` of them
+        step_00000300.json      manifest: size, sha256, epoch, step, samples consumed
+        failed_verification/    files that failed their manifest check or to load, with their
+                                manifests: moved here and logged, never counted, never deleted
 
-A save never touches a good file: it writes a new history file and its manifest atomically (temp name,
-fsync, rename, fsync of the directory), hashing while writing, and only then moves the resume link and
-the latest pointer and deletes old entries. A crash leaves the previous checkpoint intact; a failed save
-removes its own files. Resume takes the newest history file that matches its manifest (weights_only).
+A save never touches a good file: it writes a new history file and its manifest atomically (a temp name of
+its own, `NAME.partial-HOST-PID-TID.tmp`; fsync, rename, fsync of the directory), hashing while writing, and
+only then moves the resume link and the latest pointer and rotates, keeping the newest `keep_last` that
+verify. A crash leaves the previous checkpoint intact; a failed save removes its own files. Resume takes the
+newest history file that verifies and loads (weights_only) and moves newer ones aside. A hash is remembered
+per process by (path, inode, size, mtime_ns): rotation reads a kept file once, not at every save.
+
+At start, holding the directory lock (trainer/run_lock.py), rank 0 calls `remove_stale_temp_files` (temp
+files of this run's killed writes) and `check_no_obstructions` (a folder or other non-file where a save must
+write: one line and exit 2 before training, not a failed save after every resume).
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ import json
 import os
 import pickle
 import re
+import socket
+import stat
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +43,11 @@ import torch
 import torch.distributed as dist
 
 HISTORY_NAME = re.compile(r"^step_(\d{8})\.pth$")
+STEP_FILE_NAME = re.compile(r"^step_\d{8}\.(?:pth|json)$")  # what a save writes into the history folder
+TEMP_TAIL = r"(?:\.partial-[A-Za-z0-9._-]+)?\.tmp"  # see temp_path; a bare `NAME.tmp` is an earlier version's
+
+hashes_computed = 0  # files read in full to hash them, in this process: tests check rotation does not repeat it
+_known_hashes: dict[str, tuple[tuple[int, int, int], str]] = {}  # path -> ((inode, size, mtime_ns), sha256)
 
 
 class CheckpointError(RuntimeError):
@@ -51,6 +65,7 @@ class RunFiles:
         self.resume_link = self.checkpoint_dir / f"{self.name}_resume.pth"
         self.latest_pointer = self.checkpoint_dir / f"{self.name}_latest.txt"
         self.history_dir = self.checkpoint_dir / f"{self.name}_history"
+        self.failed_dir = self.history_dir / "failed_verification"
 
     def history_file(self, step: int) -> Path:
         return self.history_dir / f"step_{step:08d}.pth"
@@ -96,12 +111,19 @@ class _HashingWriter:
         self.file.flush()
 
 
+def temp_path(path: Path) -> Path:
+    """The name `path` is written under until it is complete: unique to this host, process and thread, so
+    two writers never share one (a killed write's leftover is removed at start: remove_stale_temp_files)."""
+    host = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:32]
+    return path.with_name(f"{path.name}.partial-{host}-{os.getpid()}-{threading.get_native_id()}.tmp")
+
+
 def atomic_write(path: Path, write: Callable[[Any], None]) -> tuple[int, str]:
     """Write `path` through a temp file, fsync, rename, fsync the directory; returns (size, sha256)."""
-    tmp = path.with_name(path.name + ".tmp")  # fixed (one writer per path): a killed write's leftover is reused
+    tmp = temp_path(path)
     writer = None
     try:
-        with open(tmp, "wb") as raw:
+        with open(tmp, "wb") as raw:  # a plain open: the file's mode follows the umask like any other file's
             writer = _HashingWriter(raw)
             write(writer)
             raw.flush()
@@ -122,11 +144,21 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
+def sha256_of(path: Path, cached: bool = False) -> str:
+    """The file's SHA-256. With `cached`, the one this process last computed or wrote for the same
+    (path, inode, size, mtime_ns), without reading the file again. Resume never passes `cached`: a same-size
+    rewrite in place within one tick of the filesystem clock keeps all four, and only a full hash sees it."""
+    global hashes_computed
+    with open(path, "rb") as f:  # opened even when cached: a file that became unreadable fails here
+        st = os.fstat(f.fileno())
+        identity, known = (st.st_ino, st.st_size, st.st_mtime_ns), _known_hashes.get(os.path.abspath(path))
+        if cached and known is not None and known[0] == identity:
+            return known[1]
+        digest = hashlib.sha256()
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
+    hashes_computed += 1
+    _known_hashes[os.path.abspath(path)] = (identity, digest.hexdigest())
     return digest.hexdigest()
 
 
@@ -137,10 +169,10 @@ def save_verified(files: RunFiles, state: dict, step: int, keep_last: int, info:
     written = False  # True while `path` holds this save's bytes but nothing points at them yet
     try:
         files.history_dir.mkdir(parents=True, exist_ok=True)
-        for leftover in files.history_dir.glob("*.tmp"):  # from a save that was killed
-            leftover.unlink()
         size, sha = atomic_write(path, lambda f: torch.save(state, f))
         written = True
+        st = os.stat(path)  # the hash just computed while writing: rotation need not read the file back
+        _known_hashes[os.path.abspath(path)] = ((st.st_ino, st.st_size, st.st_mtime_ns), sha)
         manifest = {"file": path.name, "size": size, "sha256": sha, "step": step, **info}
         atomic_write_text(manifest_path(path), json.dumps(manifest, indent=1) + "\n")
         check_written(path, size)
@@ -148,10 +180,7 @@ def save_verified(files: RunFiles, state: dict, step: int, keep_last: int, info:
         if aside is not None:
             print(f"kept {files.resume_link.name}, which this project's checkpoints do not account for, as "
                   f"{aside} (this save writes {files.resume_link.name})", flush=True)
-        link_tmp = files.resume_link.with_name(files.resume_link.name + ".tmp")
-        link_tmp.unlink(missing_ok=True)
-        os.link(path, link_tmp)  # no second copy on disk: both names share the same bytes
-        os.replace(link_tmp, files.resume_link)
+        link_resume_to(files, path)
         written = False  # the resume link names it now: it is the newest checkpoint, keep it
         atomic_write_text(files.latest_pointer, f"{files.history_dir.name}/{path.name}\n")
     except (OSError, CheckpointError) as error:
@@ -163,10 +192,10 @@ def save_verified(files: RunFiles, state: dict, step: int, keep_last: int, info:
             f"could not write checkpoint {path}: {error}. Older checkpoints in {files.history_dir} "
             f"are untouched; free space or fix permissions, then resume with --from_resume 1") from error
     try:
-        rotate(files, keep_last)
+        rotate(files, keep_last, path)
     except OSError as error:
         raise CheckpointError(f"checkpoint {path} is saved and verified, but older ones in {files.history_dir} "
-                              f"could not be deleted: {error}") from error
+                              f"could not be deleted or moved aside: {error}") from error
     return path
 
 
@@ -179,40 +208,78 @@ def check_written(path: Path, size: int) -> None:
         raise CheckpointError(f"{path} has {actual} bytes right after writing {size}")
 
 
-def rotate(files: RunFiles, keep_last: int) -> list[Path]:
-    """Delete all but the newest `keep_last` checkpoints (not re-hashed); called only after the newest was
-    verified. A file without a manifest, older than a kept one, is debris of a killed save and goes too."""
-    with_manifest = [p for p in files.history() if manifest_path(p).is_file()]
-    keep = set(with_manifest[:max(keep_last, 1)])
-    oldest_kept = min(p.name for p in keep) if keep else None
-    removed = []
+def link_resume_to(files: RunFiles, path: Path) -> None:
+    """Point `{run}_resume.pth` at `path`: a hard link (no second copy on disk) made under a temp name and
+    renamed over the old one, so the name always holds a complete checkpoint."""
+    tmp = temp_path(files.resume_link)
+    os.link(path, tmp)
+    try:
+        os.replace(tmp, files.resume_link)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def rotate(files: RunFiles, keep_last: int, newest: Path) -> list[Path]:
+    """Keep `newest` (just written) and the newest checkpoints below it that verify (remembered hashes: a
+    file is read once per process), `keep_last` in all; delete older ones. One that fails verification is
+    moved into failed_verification/, not counted. Good ones above `newest` (put there by hand) are left."""
+    kept, removed = 1, []
     for path in files.history():
-        if path in keep or (oldest_kept and path.name > oldest_kept):
+        if path == newest:
             continue
-        manifest_path(path).unlink(missing_ok=True)
-        path.unlink()
-        removed.append(path)
+        problem = verify(path, cached=True)
+        if problem is not None:
+            print(f"checkpoint {path} fails verification ({problem}): moved to {move_aside(files, path)}", flush=True)
+        elif path.name < newest.name and kept < keep_last:
+            kept += 1
+        elif path.name < newest.name:
+            manifest_path(path).unlink(missing_ok=True)
+            path.unlink()
+            _known_hashes.pop(os.path.abspath(path), None)
+            removed.append(path)
     return removed
 
 
-def verify(path: Path, manifest_file: Path | None = None) -> str | None:
-    """None if `path` matches its manifest (size and SHA-256), else what is wrong.
-    The manifest is the one beside `path`, or `manifest_file` for a copy that lives elsewhere."""
+def move_aside(files: RunFiles, path: Path) -> Path:
+    """Move a checkpoint that failed verification or loading, with its manifest, into failed_verification/
+    under a name not taken there (`step_N.2.pth` for a second one of step N); returns where it went."""
+    files.failed_dir.mkdir(exist_ok=True)
+    target, n = files.failed_dir / path.name, 1
+    while os.path.lexists(target) or os.path.lexists(manifest_path(target)):
+        n += 1
+        target = files.failed_dir / f"{path.stem}.{n}{path.suffix}"
+    os.replace(path, target)  # data first: a kill before the manifest follows leaves only a stray manifest
+    if os.path.lexists(manifest_path(path)):
+        os.replace(manifest_path(path), manifest_path(target))
+    fsync_dir(files.history_dir)
+    fsync_dir(files.failed_dir)
+    _known_hashes.pop(os.path.abspath(path), None)
+    return target
+
+
+def verify(path: Path, manifest_file: Path | None = None, cached: bool = False) -> str | None:
+    """None if `path` matches its manifest (size and SHA-256), else what is wrong; a file or manifest
+    that cannot be read is one more thing wrong. The manifest is the one beside `path`, or `manifest_file`
+    for a copy that lives elsewhere. `cached`: trust a hash this process already has (see sha256_of)."""
     manifest_file = manifest_path(path) if manifest_file is None else manifest_file
-    if not path.is_file():
-        return "file is missing"
-    if not manifest_file.is_file():
-        return f"no manifest {manifest_file.name} (the save was interrupted)"
     try:
-        manifest = json.loads(manifest_file.read_text())
-        expected_size, expected_sha = int(manifest["size"]), str(manifest["sha256"])
-    except (ValueError, KeyError, TypeError) as error:
-        return f"manifest {manifest_file.name} is unreadable ({error})"
-    actual_size = path.stat().st_size
-    if actual_size != expected_size:
-        return f"size is {actual_size} bytes, manifest says {expected_size} (truncated?)"
-    if sha256_of(path) != expected_sha:
-        return "SHA-256 does not match the manifest (corrupted bytes)"
+        if not path.is_file():
+            return "not a regular file" if os.path.lexists(path) else "file is missing"
+        if not manifest_file.is_file():
+            return f"no manifest {manifest_file.name} (the save was interrupted)"
+        try:
+            manifest = json.loads(manifest_file.read_text())
+            expected_size, expected_sha = int(manifest["size"]), str(manifest["sha256"])
+        except (ValueError, KeyError, TypeError) as error:
+            return f"manifest {manifest_file.name} is unreadable ({error})"
+        actual_size = path.stat().st_size
+        if actual_size != expected_size:
+            return f"size is {actual_size} bytes, manifest says {expected_size} (truncated?)"
+        if sha256_of(path, cached) != expected_sha:
+            return "SHA-256 does not match the manifest (corrupted bytes)"
+    except OSError as error:  # EACCES, EIO...: a file we cannot read is no more usable than a corrupt one
+        return f"cannot be read ({error})"
     return None
 
 
@@ -250,7 +317,8 @@ def set_aside_unmanaged_resume_file(files: RunFiles) -> Path | None:
 
 
 def newest_good_checkpoint(files: RunFiles, log: Callable[[str], None]) -> tuple[Path, dict] | None:
-    """The newest history file that verifies and loads, with its state; None if there is no history.
+    """The newest history file that verifies (hashed in full) and loads, with its state; None if there is no
+    history. Newer ones that failed are then moved into failed_verification/ (rank 0 only: it moves files).
     If none is good, raises with what was tried: a damaged run never silently restarts from scratch."""
     candidates = files.history()
     if not candidates:
@@ -261,7 +329,7 @@ def newest_good_checkpoint(files: RunFiles, log: Callable[[str], None]) -> tuple
         log(f"ignoring {', '.join(p.name for p in candidates)} in {files.history_dir}: no manifest, "
             f"the first save was interrupted before it completed")
         return None
-    tried = []
+    failed = []
     for path in candidates:
         problem = verify(path)
         if problem is None:
@@ -270,12 +338,77 @@ def newest_good_checkpoint(files: RunFiles, log: Callable[[str], None]) -> tuple
             except CheckpointError as error:
                 problem = str(error)
         if problem is None:
-            if tried:
-                log(f"using older checkpoint {path} instead")
+            if failed:
+                _set_aside_failed(files, path, failed, log)
             return path, state
-        tried.append(f"{path}: {problem}")
-        log(f"skipping checkpoint {path}: {problem}")
-    raise CheckpointError("no usable checkpoint; tried:\n  " + "\n  ".join(tried))
+        failed.append((path, problem))
+    raise CheckpointError("no usable checkpoint; tried:\n  " + "\n  ".join(f"{p}: {why}" for p, why in failed))
+
+
+def _set_aside_failed(files: RunFiles, good: Path, failed: list[tuple[Path, str]], log) -> None:
+    """Move the checkpoints newer than `good` that failed out of the history, one line each. The resume link,
+    if it named one of them, names `good` first: a kill in between leaves it on a good file."""
+    try:
+        link = files.resume_link
+        if link.is_file() and is_managed(files, link) and not os.path.samefile(link, good):
+            link_resume_to(files, good)
+            atomic_write_text(files.latest_pointer, f"{files.history_dir.name}/{good.name}\n")
+        for path, problem in failed:
+            log(f"skipping checkpoint {path}: {problem}; moved it to {move_aside(files, path)}")
+    except OSError as error:
+        raise CheckpointError(f"could not move a failed checkpoint out of {files.history_dir}: {error}; "
+                              f"fix the folder's permissions, then run again") from error
+    log(f"using older checkpoint {good} instead")
+
+
+# ---- at start, holding the run's directory lock ------------------------------------------------
+
+def find_obstructions(files: RunFiles, out_path: Path) -> list[str]:
+    """What stands where a save must write, one entry per path: a folder, fifo or broken link where a file
+    goes (history step files, the resume link, the latest pointer, the out/ file), a file where a folder goes."""
+    wanted = [(files.checkpoint_dir, True), (files.resume_link, False), (files.latest_pointer, False),
+              (files.history_dir, True), (files.failed_dir, True), (out_path.parent, True), (out_path, False)]
+    if files.history_dir.is_dir():
+        wanted += [(p, False) for p in sorted(files.history_dir.iterdir()) if STEP_FILE_NAME.match(p.name)]
+    found = []
+    for path, folder in wanted:
+        try:
+            mode = os.stat(path).st_mode  # follows links: a link to the right kind of thing is fine
+        except OSError as error:  # absent (or below a file, which is reported itself) is fine
+            if os.path.lexists(path):
+                found.append(f"{path} is a broken link" if isinstance(error, FileNotFoundError)
+                             else f"{path} cannot be examined ({error.strerror})")
+            continue
+        if not (stat.S_ISDIR(mode) if folder else stat.S_ISREG(mode)):
+            kind = "a folder" if stat.S_ISDIR(mode) else "a file" if stat.S_ISREG(mode) else "not a regular file"
+            found.append(f"{path} is {kind}, where this run needs a {'folder' if folder else 'file'}")
+    return found
+
+
+def check_no_obstructions(files: RunFiles, out_path: Path) -> None:
+    """Raise CheckpointError naming every obstruction (see find_obstructions): before training, not after."""
+    found = find_obstructions(files, out_path)
+    if found:
+        raise CheckpointError(f"cannot save checkpoints of {files.name}: {'; '.join(found)}. Move them out of the "
+                              f"way (they were left as they are) or use another --checkpoint_dir/--save_dir, then "
+                              f"run again")
+
+
+def remove_stale_temp_files(files: RunFiles, out_dir: Path, log: Callable[[str], None]) -> list[Path]:
+    """Remove the temp files of killed writes of this run: `NAME.partial-HOST-PID-TID.tmp` (and earlier
+    versions' `NAME.tmp`) for the names a save writes, in the checkpoint, history and out folders. Only
+    those: a user's file, or another run's, is never touched. Call it holding the directory lock."""
+    own_names = [(files.checkpoint_dir, f"{re.escape(files.resume_link.name)}|{re.escape(files.latest_pointer.name)}"),
+                 (files.history_dir, r"step_\d{8}\.(?:pth|json)"), (Path(out_dir), re.escape(f"{files.name}.pth"))]
+    removed = []
+    for directory, names in own_names:
+        pattern = re.compile(f"^(?:{names}){TEMP_TAIL}$")
+        for entry in sorted(directory.iterdir()) if directory.is_dir() else []:
+            if pattern.match(entry.name) and entry.is_file() and not entry.is_symlink():
+                entry.unlink()
+                log(f"removed {entry}, left by a write that was killed")
+                removed.append(entry)
+    return removed
 
 
 # ---- what lm_checkpoint calls ------------------------------------------------------------------
