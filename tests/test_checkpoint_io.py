@@ -522,7 +522,6 @@ def test_resume_past_a_damaged_newest_checkpoint_keeps_the_good_older_one(tmp_pa
     assert_newest_is(files, files.history_file(3))
 
 
-@pytest.mark.skip(reason="needs the start-up call")
 def test_a_folder_where_the_next_checkpoint_goes_stops_the_run_before_training(tmp_path, pretrain_data):
     files = RunFiles(tmp_path / "ckpt", PRETRAIN_RUN)
     args = run_args(tmp_path, pretrain_data, "--batch_size", "2", "--epochs", "1", "--save_interval", "1")

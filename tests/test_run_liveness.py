@@ -33,7 +33,7 @@ BEAT_S = 15.0
 
 # ---- a real process ----
 
-def test_heartbeat_moves_while_a_slow_step_has_not_finished_and_the_first_step_is_logged(
+def test_heartbeat_moves_while_a_slow_step_has_not_finished_and_the_first_step_and_saves_are_logged(
         tmp_path, pretrain_data):
     args = run_args(tmp_path, pretrain_data, "--batch_size", "4", "--max_steps", "2", "--save_interval", "1")
     env = {**slowed_env(step_delay_s=2.0), "TRAINER_HEARTBEAT_S": "0.3"}  # each step takes 2 s; a beat every 0.3 s
@@ -69,6 +69,10 @@ def test_heartbeat_moves_while_a_slow_step_has_not_finished_and_the_first_step_i
     assert status["lock_file"] == str((tmp_path / "ckpt").resolve() / LOCK_NAME)
 
     assert "first step done after " in output and "s (step 1; a log line every 1 steps)" in output
+    for step in (1, 2):  # --async_save 1 is the default: the write goes on after training continues
+        kept = tmp_path / "ckpt" / "pretrain_32_history" / f"step_{step:08d}.pth"
+        assert f"saved step {step} to {kept}: training blocked " in output, output[-4000:]
+    assert output.count("; the write goes on in the background") == 2
 
 
 # ---- the writer and the tracker in this process ----

@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import secrets
 import shlex
 import socket
@@ -35,13 +36,14 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from trainer import checkpoint_io
-from trainer.checkpoint_io import CheckpointError, RunFiles, atomic_write_text
+from trainer.checkpoint_io import (CheckpointError, RunFiles, atomic_write_text, check_no_obstructions,
+                                   remove_stale_temp_files)
 from trainer.resume_checks import ConfigError
 
 LOCK_NAME = "trainer.lock"
 HEARTBEAT_S = float(os.environ.get("TRAINER_HEARTBEAT_S", 15))  # tests shorten it
 STALE_AFTER_S = 4 * HEARTBEAT_S  # four missed beats: the holder is gone (or frozen)
+OWN_TEMP = re.compile(r"^(trainer\.lock|.+_status\.json|.+_metrics\.jsonl)\.partial-.+\.tmp$")  # killed writes
 
 
 def read_lock(path: Path) -> dict | None:
@@ -238,10 +240,13 @@ def claim_run_directories(args, run_name: str, log: Callable[[str], None]) -> No
                 lock.acquire()
                 _held.append(lock)
             files, out_path = RunFiles(unique[0], run_name), Path(args.save_dir) / f"{run_name}.pth"
-            if hasattr(checkpoint_io, "check_no_obstructions"):  # TEMPORARY until checkpoint_io has them
-                for path in checkpoint_io.remove_stale_temp_files(files, out_path.parent, log):
-                    log(f"removed {path}, left by a write that was killed")
-                checkpoint_io.check_no_obstructions(files, out_path)
+            remove_stale_temp_files(files, out_path.parent, log)  # holding the lock: no writer is mid-write
+            for directory in unique:  # and the lock's and the status files' own temp files
+                for leftover in directory.glob("*.partial-*.tmp"):
+                    if OWN_TEMP.match(leftover.name):
+                        leftover.unlink()
+                        log(f"removed {leftover}, left by a write that was killed")
+            check_no_obstructions(files, out_path)
             outcome[1] = _held[0].record["token"]
             threading.Thread(target=_heartbeat_loop, name="lock-heartbeat", daemon=True).start()
         except (ConfigError, CheckpointError, OSError) as error:

@@ -174,9 +174,12 @@ class Tracker:
         if self.files is not None:
             self.files.rollback(step, total_steps)
 
-    def saved(self, blocked_s: float) -> None:
-        """A save blocked training for `blocked_s` (the write itself may go on in the background)."""
+    def saved(self, step: int, path: str | Path, blocked_s: float) -> None:
+        """The checkpoint of `step` (its kept file `path`) blocked training for `blocked_s`."""
         self.saves, self.save_blocked_s = self.saves + 1, self.save_blocked_s + blocked_s
+        if self.is_main:
+            print(f"saved step {step} to {path}: training blocked {blocked_s:.2f} s"
+                  + ("; the write goes on in the background" if self.async_save else ""), flush=True)
 
     def finish(self, status: str) -> None:
         """`status`: completed, stopped or failed. Closes every backend."""

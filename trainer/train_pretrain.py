@@ -260,13 +260,13 @@ def main() -> None:
                 stopping = numbers["stop"] or (args.max_steps is not None and steps_this_run >= args.max_steps)
                 if stopping or epoch_done or global_step % args.save_interval == 0:
                     started = time.perf_counter()
-                    lm_checkpoint(lm_config, args.save_weight, model, optimizer, epoch,
-                                  step_in_epoch(n, samples_consumed, global_batch), tracker.runs.get("wandb"),
-                                  args.save_dir, args.checkpoint_dir, samples_consumed=samples_consumed,
-                                  global_step=global_step, scaler=scaler, lr=lr, train_args=settings,
-                                  data_fingerprint=fingerprint, anomaly_state=guard.state_dict(),
-                                  keep_last=args.keep_last, swanlab=tracker.runs.get("swanlab"), saver=saver)
-                    tracker.saved(time.perf_counter() - started)  # only the time it blocked training
+                    kept = lm_checkpoint(lm_config, args.save_weight, model, optimizer, epoch,
+                                         step_in_epoch(n, samples_consumed, global_batch), tracker.runs.get("wandb"),
+                                         args.save_dir, args.checkpoint_dir, samples_consumed=samples_consumed,
+                                         global_step=global_step, scaler=scaler, lr=lr, train_args=settings,
+                                         data_fingerprint=fingerprint, anomaly_state=guard.state_dict(),
+                                         keep_last=args.keep_last, swanlab=tracker.runs.get("swanlab"), saver=saver)
+                    tracker.saved(global_step, kept, time.perf_counter() - started)  # only the time it blocked training
                     if args.save_hf and dist_info.is_main:
                         hf_dir = Path(args.save_dir) / f"{run_name(args.save_weight, lm_config)}_hf"
                         export_hf(unwrap(model).state_dict(), lm_config, hf_dir, args.tokenizer_path)
