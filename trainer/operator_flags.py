@@ -29,8 +29,8 @@ def add_operator_flags(parser: argparse.ArgumentParser) -> None:
     a("--metrics_dir", default=None, help="where {run_name}_metrics.jsonl and _status.json go (default --save_dir)")
     a("--run_name", default=None, help="name of the metrics files and tracker run (default {weight}_{hidden})")
     a("--run_id", default=None,
-      help="names this job across restarts and requeues (default: $SLURM_JOB_ID, or torchrun's --rdzv-id): the "
-           "directory lock of a previous attempt with this id on another host is taken over once its heartbeat is stale")
+      help="names this job across restarts and requeues (default: $SLURM_JOB_ID, or torchrun's --rdzv-id); "
+           "a directory lock left on another host by this id is taken over once its heartbeat is stale")
     a("--val_data", default=None, help="JSONL validation file in the training format")
     a("--eval_interval", type=int, default=100, help="optimizer steps between validations")
     a("--on_anomaly", default="warn", choices=("warn", "stop", "rollback"), help="what a bad step does")

@@ -115,7 +115,7 @@ def main() -> None:
 
     state = newest_checkpoint(args.resume_path) if resuming else None  # None: start fresh
     if resuming and state is None:
-        log(f"--from_resume 1: no checkpoint of {run_name(args.save_weight, lm_config)} in {args.checkpoint_dir}; starting fresh")
+        log(f"--from_resume 1: no checkpoint of {run_name(args.save_weight, lm_config)} yet; starting fresh")
     model, lm_config = init_model(args, lm_config, log, resume_state=state)  # weights: section 5, --from_weight
     model.to(device)  # FP32 master weights; bf16 (or fp16 + GradScaler) autocast on CUDA, fp32 on CPU
     use_cuda = device.type == "cuda"
@@ -171,7 +171,7 @@ def main() -> None:
                 window = len(sampler.step_window(s))
                 micro_batches = [next(batches) for _ in range(sampler.micro_steps_per_step(s))]
                 if guard.should_skip(epoch, samples_consumed):  # it went wrong before a rollback: step over it
-                    log(f"stepping over the window at sample {samples_consumed} of epoch {epoch + 1} (an anomaly before)")
+                    log(f"stepping over the window at sample {samples_consumed} of epoch {epoch + 1}: it caused an anomaly")
                     lr, action, reason = 0.0, "skip", "stepped over: this window caused an anomaly before a rollback"
                     numbers = {"loss": math.nan, "grad_norm": math.nan, "local_loss_sum": math.nan,
                                "local_tokens": 0, "input_tokens": 0, "stop": stop.signal is not None}
