@@ -1,24 +1,50 @@
 """How a run stops on a signal: SIGTERM (a preemptible machine going away) and Ctrl-C only set a flag;
-the loop finishes the optimizer step it is in, saves, and exits 0 with `continue_command`'s line."""
+the loop finishes the optimizer step it is in, saves, and exits 0 with `continue_command`'s line.
+Any later signal changes nothing (see `StopRequest`): the stop-save completes on every rank."""
 
 from __future__ import annotations
 
 import os
 import shlex
 import signal
+import time
 
 
 class StopRequest:
-    """Set by SIGTERM or SIGINT; the loop reads `signal` (None, or the signal's name) once per step."""
+    """Set by SIGTERM or SIGINT; the loop reads `signal` (None, or the first signal's name) once per step.
+
+    The handler never raises. A KeyboardInterrupt raised on one rank inside a collective would leave the
+    others on a dead peer and the save half done, so a second signal is not an abort. The same signal
+    often arrives twice at once (Slurm's scancel or a container runtime signals every process, and
+    torchrun forwards its own copy to the workers): one stop. A later one (Ctrl-C pressed again) gets one
+    line on rank 0 saying the stop is under way and how to abort without saving.
+    """
+
+    SAME_REQUEST_WITHIN_S = 2.0  # signals this close to the previous line are copies of one request
 
     def __init__(self):
         self.signal: str | None = None
+        self._quiet_until = 0.0
+        self._is_main = os.environ.get("RANK", "0") == "0"  # torchrun sets RANK; a plain run is rank 0
         signal.signal(signal.SIGTERM, self._request)
         signal.signal(signal.SIGINT, self._request)
 
     def _request(self, signum, frame) -> None:
-        self.signal = signal.Signals(signum).name
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C interrupts at once
+        name, now = signal.Signals(signum).name, time.monotonic()
+        if self.signal is None:
+            self.signal, self._quiet_until = name, now + self.SAME_REQUEST_WITHIN_S
+            return
+        if now < self._quiet_until or not self._is_main:
+            return
+        self._quiet_until = now + self.SAME_REQUEST_WITHIN_S
+        if "LOCAL_RANK" in os.environ:  # rank 0 alone writes; killing only it leaves the others in a collective
+            abort = f"pkill -9 -P {os.getppid()} (the launcher's workers on this node; run it on each node)"
+        else:
+            abort = f"kill -9 {os.getpid()}"
+        # os.write, not print: a handler that prints while the interrupted code is inside a print to the
+        # same stream fails with "reentrant call"; one small write to a file descriptor is whole.
+        os.write(2, f"stop under way ({name} again): the step in progress finishes, then the checkpoint is saved; "
+                    f"more signals change nothing. To abort without saving: {abort}\n".encode())
 
 
 def continue_command(argv: list[str], world_size: int) -> str:

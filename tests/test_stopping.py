@@ -1,0 +1,93 @@
+"""Stopping on a signal under torchrun: what the workers, the checkpoint and torchrun itself end with.
+
+The workers run under tests/record_worker.py, which keeps each worker's exit status and output apart
+from torchrun's; tests/fault_injection/sitecustomize.py slows steps and saves so the test can signal
+them at a chosen moment.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import REPO, TINY_MODEL, free_port, read_trace, resume_file, run_args, slowed_env, status_of
+from trainer.checkpoint_io import RunFiles, verify
+
+
+def start_recorded_job(run_dir: Path, args: list[str], env: dict, *torchrun_flags: str) -> subprocess.Popen:
+    """A 2-rank torchrun job of TINY_MODEL whose workers record their output and exit status in run_dir."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), *torchrun_flags, str(REPO / "tests" / "record_worker.py"), str(run_dir),
+               str(REPO / "trainer" / "train_pretrain.py"), *TINY_MODEL, *args]
+    return subprocess.Popen(command, cwd=run_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def wait_until(condition, job: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert job.poll() is None, f"the job ended (exit {job.returncode}) before the moment the test waits for"
+        assert time.time() < deadline, "timed out waiting for the job"
+        time.sleep(0.05)
+
+
+def children(pid: int) -> list[int]:
+    return [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
+
+
+def test_sigint_to_torchrun_and_workers_twice_is_one_stop_whose_save_completes_on_every_rank(
+        tmp_path, pretrain_data):
+    # As Slurm's scancel or a container runtime does: SIGINT to torchrun and to every worker at once, so each
+    # worker gets it twice (torchrun forwards its own copy); then all of it again while the stop-save is written.
+    args = run_args(tmp_path, pretrain_data, "--batch_size", "1", "--epochs", "1", "--save_interval", "1000")
+    job = start_recorded_job(tmp_path, args, slowed_env(step_delay_s=0.2, save_delay_s=6.0))
+    files = RunFiles(tmp_path / "ckpt", "pretrain_32")
+    trace = tmp_path / "trace.jsonl"
+    wait_until(lambda: trace.exists() and len(read_trace(trace)) >= 6, job)  # 3 steps on 2 ranks
+    workers = [pid for recorder in children(job.pid) for pid in children(recorder)]
+    assert len(workers) == 2, "expected one worker under each of the two recorders"
+    for pid in [job.pid, *workers]:
+        os.kill(pid, signal.SIGINT)
+    first = time.time()
+    wait_until(lambda: files.history_dir.is_dir() and any(files.history_dir.iterdir()), job)
+    time.sleep(max(0.0, first + 2.5 - time.time()))  # later than StopRequest.SAME_REQUEST_WITHIN_S: a new request
+    save_in_flight = not list(files.history_dir.glob("*.json"))  # its history file begun, no manifest yet
+    for pid in [job.pid, *workers]:
+        os.kill(pid, signal.SIGINT)
+    output, _ = job.communicate(timeout=120)
+
+    logs = [(tmp_path / f"rank{rank}.log").read_text() for rank in (0, 1)]
+    assert [(tmp_path / f"rank{rank}.exit").read_text().strip() for rank in (0, 1)] == ["0", "0"], logs
+    assert not any("Traceback" in log for log in logs), logs
+    stopped_at = resume_file(tmp_path)["global_step"]
+    assert stopped_at == max(record["step"] for record in read_trace(trace))  # the step the stop finished
+    assert f"stopped at step {stopped_at} (SIGINT); checkpoint saved" in logs[0]
+    # The second round reached the workers during the save, and rank 0 alone said what is under way.
+    assert save_in_flight and logs[0].count("stop under way") == 1 and "stop under way" not in logs[1], logs
+    assert verify(files.history_file(stopped_at)) is None and files.resume_link.samefile(files.history_file(stopped_at))
+    assert (status_of(tmp_path)["status"], status_of(tmp_path)["current_step"]) == ("stopped", stopped_at)
+    # torchrun itself, signalled, exits 1 with its SignalException traceback (the README says so).
+    assert job.returncode == 1 and "SignalException" in output, output
+
+
+def test_torchrun_kills_a_stop_save_longer_than_its_shutdown_timeout_and_the_previous_checkpoint_stays(
+        tmp_path, pretrain_data):
+    # Saves take 8 s, torchrun waits 4 s for its workers: longer than a step (even on a busy machine), shorter
+    # than the stop-save.
+    args = run_args(tmp_path, pretrain_data, "--batch_size", "1", "--epochs", "1", "--save_interval", "3")
+    job = start_recorded_job(tmp_path, args, slowed_env(step_delay_s=0.2, save_delay_s=8.0),
+                             "--shutdown-timeout", "4")
+    files = RunFiles(tmp_path / "ckpt", "pretrain_32")
+    step_3_saved = "pretrain_32_history/step_00000003.pth\n"  # the pointer is the save's last write
+    wait_until(lambda: files.latest_pointer.exists() and files.latest_pointer.read_text() == step_3_saved, job)
+    os.kill(job.pid, signal.SIGINT)  # Ctrl-C at the terminal reaches torchrun only; it forwards it
+    output, _ = job.communicate(timeout=120)
+    assert job.returncode == 1 and "forcefully exiting via 9" in output, output
+    assert verify(files.history_file(3)) is None and files.resume_link.samefile(files.history_file(3))
+    # The stop-save was cut short: its temp file is left (the next start removes it), and no newer history file.
+    assert list(tmp_path.rglob("*.partial-*.tmp"))
+    assert [p.name for p in files.history_dir.glob("*.pth")] == ["step_00000003.pth"]
