@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from tokenizers import Tokenizer
 
 from model.chat_template import CHAT_TEMPLATE  # the training format, for apply_chat_template
@@ -156,7 +156,9 @@ def export_hf(
         for name, t in state_dict.items()
         if not (lm_config.tie_word_embeddings and name == "lm_head.weight")
     }
-    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    # The bytes through a plain open(), as the other files: save_file writes a 0600 temp file and renames it,
+    # so a team sharing the directory could read everything but the weights. Costs one copy of them in memory.
+    (out_dir / "model.safetensors").write_bytes(save(tensors, metadata={"format": "pt"}))
 
     generation = {
         "bos_token_id": BOS_ID,

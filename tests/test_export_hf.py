@@ -179,3 +179,14 @@ def test_a_state_dict_of_another_layout_is_refused_naming_file_and_tensor(tokeni
     del state_dict["model.layers.0.self_attn.q_norm.weight"]  # e.g. a model without per-head q/k norms
     with pytest.raises(ValueError, match=r"old\.pth has no model\.layers\.0\.self_attn\.q_norm\.weight"):
         config_from_weights(state_dict, {}, source="old.pth")
+
+
+def test_every_exported_file_has_the_mode_the_umask_gives(tmp_path, tokenizer_path):
+    model = random_model(Tokenizer.from_file(str(tokenizer_path)).get_vocab_size())
+    previous = os.umask(0o022)  # a shared machine's usual umask: files readable by the group and others
+    try:
+        out = export_hf(model.state_dict(), model.config, tmp_path / "hf", tokenizer_path)
+    finally:
+        os.umask(previous)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {"0o644"}, modes
