@@ -229,7 +229,10 @@ def rotate(files: RunFiles, keep_last: int, newest: Path) -> list[Path]:
         if path == newest:
             continue
         problem = verify(path, cached=True)
-        if problem is not None:
+        if not manifest_path(path).is_file():  # a save killed before its manifest: never was a checkpoint
+            path.unlink()
+            print(f"removed {path}: its save was interrupted before the manifest was written", flush=True)
+        elif problem is not None:
             print(f"checkpoint {path} fails verification ({problem}): moved to {move_aside(files, path)}", flush=True)
         elif path.name < newest.name and kept < keep_last:
             kept += 1
@@ -354,7 +357,11 @@ def _set_aside_failed(files: RunFiles, good: Path, failed: list[tuple[Path, str]
             link_resume_to(files, good)
             atomic_write_text(files.latest_pointer, f"{files.history_dir.name}/{good.name}\n")
         for path, problem in failed:
-            log(f"skipping checkpoint {path}: {problem}; moved it to {move_aside(files, path)}")
+            if not manifest_path(path).is_file():  # a save killed before its manifest: its space is given back
+                path.unlink()
+                log(f"skipping checkpoint {path}: {problem}; removed it")
+            else:
+                log(f"skipping checkpoint {path}: {problem}; moved it to {move_aside(files, path)}")
     except OSError as error:
         raise CheckpointError(f"could not move a failed checkpoint out of {files.history_dir}: {error}; "
                               f"fix the folder's permissions, then run again") from error
