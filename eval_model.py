@@ -48,8 +48,10 @@ SIZE_FLAGS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_ke
               "intermediate_size", "num_experts", "num_experts_per_tok")
 
 
-def load_model(args: argparse.Namespace, tokenizer: Tokenizer, device: torch.device) -> CausalLM:
-    """Load `{save_dir}/{weight}_{hidden}[_moe].pth` strictly, its sizes read from the weights.
+def load_model(args: argparse.Namespace, tokenizer: Tokenizer, device: torch.device,
+               log: Callable[[str], None] | None = None) -> CausalLM:
+    """Load `{save_dir}/{weight}_{hidden}[_moe].pth` strictly, its sizes read from the weights; `log`
+    gets one line naming the file and the sizes.
 
     Raises FileNotFoundError when no file matches, RuntimeError when several do or when the file
     does not fit the size flags given or the tokenizer; the message says what to change.
@@ -62,6 +64,11 @@ def load_model(args: argparse.Namespace, tokenizer: Tokenizer, device: torch.dev
         raise RuntimeError(str(error)) from None
     model = CausalLM(lm_config)
     model.load_state_dict(weights, strict=True)
+    if log is not None:
+        c = lm_config
+        moe = f", MoE {c.num_experts} experts top-{c.num_experts_per_tok}" if c.use_moe else ""
+        log(f"loaded {path}: hidden {c.hidden_size}, {c.num_hidden_layers} layers, {c.num_attention_heads} heads, "
+            f"{c.num_key_value_heads} kv heads, vocab {c.vocab_size}{moe}, {model.num_parameters() / 1e6:.2f}M params")
     # FP16 is what the file stores and halves GPU memory; the CPU computes in FP32 (FP16 there is slow).
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     return model.to(device=device, dtype=dtype).eval()
@@ -236,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     tokenizer = load_tokenizer(args.tokenizer_path)
     try:
-        model = load_model(args, tokenizer, torch.device(args.device))
+        # On stderr: stdout carries only the answers (a --prompt answer may be piped on).
+        model = load_model(args, tokenizer, torch.device(args.device), log=lambda line: print(line, file=sys.stderr))
     except (FileNotFoundError, RuntimeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -75,6 +75,18 @@ def test_eval_prompt_continues_text_from_the_command_line(runs):
     assert result.stdout == f"Once upon{continuation}\n"
 
 
+def test_eval_names_the_file_it_loaded_and_the_model_sizes_on_stderr(runs, capsys):
+    argv = eval_args(runs["a"], "pretrain", "--prompt", "Once", "--max_new_tokens", "1")
+    assert eval_model.main(argv) == 0
+    captured = capsys.readouterr()
+    args = eval_model.build_arg_parser().parse_args(argv)
+    model = eval_model.load_model(args, load_tokenizer(args.tokenizer_path), torch.device("cpu"))
+    assert captured.err == (f"loaded {runs['a'] / 'out' / 'pretrain_32.pth'}: hidden 32, 2 layers, 4 heads, "
+                            f"2 kv heads, vocab {model.config.vocab_size}, "
+                            f"{model.num_parameters() / 1e6:.2f}M params\n")
+    assert captured.out.startswith("Once")  # stdout holds the answer alone
+
+
 def test_evaluate_exact_match_counts_the_models_own_greedy_answers_as_correct(runs):
     shutil.copy(runs["a"] / "out" / "pretrain_32.pth", runs["a"] / "out" / "chat_32.pth")
     args = eval_model.build_arg_parser().parse_args(eval_args(runs["a"], "chat"))
