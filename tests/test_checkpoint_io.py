@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from conftest import PRETRAIN_RUN, REPO, assert_exit_code, child_env, read_trace, run_args, train
-from trainer import checkpoint_io as cio
+from trainer import checkpoint_io as cio, run_lock
 from trainer.checkpoint_io import CheckpointError, RunFiles
 
 
@@ -358,7 +358,7 @@ RESUME_AS_ANOTHER_USER = """
 import io, json, os, pathlib, pwd, sys
 sys.path.insert(0, sys.argv[1])
 import torch
-from trainer import checkpoint_io as cio
+from trainer import checkpoint_io as cio, run_lock
 buffer = io.BytesIO()
 torch.save({"x": torch.zeros(1)}, buffer)
 torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)  # torch's lazy imports, while they are readable
@@ -407,7 +407,7 @@ def test_an_unreadable_newest_checkpoint_or_manifest_is_skipped_and_the_older_on
 def test_every_obstruction_is_named_in_one_line_and_nothing_is_changed(files, tmp_path):
     save(files, 2)
     out_path = tmp_path / "out" / "pretrain_32.pth"
-    assert cio.find_obstructions(files, out_path) == []
+    assert run_lock.find_obstructions(files, out_path) == []
     files.failed_dir.write_text("a file where the folder for failed checkpoints goes")
     folders = [files.history_file(3), files.history_dir / "step_00000003.json", files.latest_pointer, out_path]
     files.latest_pointer.unlink()
@@ -418,13 +418,13 @@ def test_every_obstruction_is_named_in_one_line_and_nothing_is_changed(files, tm
     files.resume_link.unlink()
     files.resume_link.mkdir()
     (files.history_dir / "notes").mkdir()  # not a name a save writes: not in the way
-    found = cio.find_obstructions(files, out_path)
+    found = run_lock.find_obstructions(files, out_path)
     expected = [*folders, files.resume_link, files.failed_dir, files.history_file(4), files.history_file(5)]
     assert len(found) == len(expected)
     for path in expected:
         assert sum(line.startswith(f"{path} is ") for line in found) == 1, (path, found)
     with pytest.raises(CheckpointError) as caught:
-        cio.check_no_obstructions(files, out_path)
+        run_lock.check_no_obstructions(files, out_path)
     message = str(caught.value)
     assert "\n" not in message and all(str(path) in message for path in expected)
     assert "Move them out of the way" in message
@@ -434,7 +434,7 @@ def test_every_obstruction_is_named_in_one_line_and_nothing_is_changed(files, tm
 def test_a_history_folder_that_is_a_file_is_an_obstruction(files, tmp_path):
     files.checkpoint_dir.mkdir()
     files.history_dir.write_text("not a folder")
-    assert cio.find_obstructions(files, tmp_path / "out" / "pretrain_32.pth") == [
+    assert run_lock.find_obstructions(files, tmp_path / "out" / "pretrain_32.pth") == [
         f"{files.history_dir} is a file, where this run needs a folder"]
 
 
@@ -481,7 +481,7 @@ def test_stale_temp_files_of_the_run_are_removed_and_nothing_else(files, tmp_pat
         path.write_bytes(b"x")
     (files.history_dir / "step_00000005.pth.tmp").mkdir()  # not a file a write leaves: left alone
     log = Lines()
-    removed = cio.remove_stale_temp_files(files, out_dir, log)
+    removed = run_lock.remove_stale_temp_files(files, out_dir, log)
     assert sorted(removed) == sorted(ours) and not any(path.exists() for path in ours)
     assert all(path.exists() for path in not_ours) and (files.history_dir / "step_00000005.pth.tmp").is_dir()
     assert len(log) == len(ours) and all(any(str(path) in line for line in log) for path in ours)
