@@ -298,6 +298,7 @@ def claim_run_directories(args, run_name: str, log: Callable[[str], None]) -> No
                         log(f"removed {leftover}, left by a write that was killed")
             check_no_obstructions(files, out_path)
             outcome[1] = _held[0].record["token"]
+            _stop_beating.clear()  # set by an earlier release in this process, if any
             threading.Thread(target=_heartbeat_loop, name="lock-heartbeat", daemon=True).start()
         except (ConfigError, CheckpointError, OSError) as error:
             release_held()
