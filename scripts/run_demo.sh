@@ -4,6 +4,10 @@
 # Sizes are small on purpose (a ~1M-parameter model); the flags are the same on a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Ctrl-C reaches every process in the foreground: a training script finishes its step, saves and exits 0
+# (trainer/stopping.py). Bash runs this trap once that command has ended, so the demo stops there instead of
+# starting the next stage from half-trained weights.
+trap 'echo "== interrupted (Ctrl-C): the demo stops here, before the next stage (a training stage that was running saved a checkpoint; its \"To continue:\" line above resumes it)" >&2; exit 130' INT
 SIZE=(--hidden_size 128 --num_hidden_layers 4 --num_attention_heads 4 --num_key_value_heads 2)
 
 echo "== 1. demo data (deterministic: rewrites the committed files byte for byte)"

@@ -1,4 +1,5 @@
-"""Stopping on a signal under torchrun: what the workers, the checkpoint and torchrun itself end with.
+"""Stopping on a signal: under torchrun, what the workers, the checkpoint and torchrun itself end with;
+in scripts/run_demo.sh, that one Ctrl-C ends the demo.
 
 The workers run under tests/record_worker.py, which keeps each worker's exit status and output apart
 from torchrun's; tests/fault_injection/sitecustomize.py slows steps and saves so the test can signal
@@ -8,13 +9,18 @@ them at a chosen moment.
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
-from conftest import REPO, TINY_MODEL, free_port, read_trace, resume_file, run_args, slowed_env, status_of
+from conftest import (REPO, TINY_MODEL, child_env, free_port, read_trace, resume_file, run_args, slowed_env,
+                      status_of)
+from scripts.run_files import read_status
 from trainer.checkpoint_io import RunFiles, verify
 
 
@@ -91,3 +97,25 @@ def test_torchrun_kills_a_stop_save_longer_than_its_shutdown_timeout_and_the_pre
     # The stop-save was cut short: its temp file is left (the next start removes it), and no newer history file.
     assert list(tmp_path.rglob("*.partial-*.tmp"))
     assert [p.name for p in files.history_dir.glob("*.pth")] == ["step_00000003.pth"]
+
+
+def test_one_ctrl_c_stops_the_demo_after_pretraining_saves(tmp_path):
+    # The real script in a copy of the project (it writes out/, checkpoints/ and the demo data where it lives).
+    for name in ("model", "dataset", "trainer", "scripts"):
+        shutil.copytree(REPO / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+    demo = subprocess.Popen(["bash", str(tmp_path / "scripts" / "run_demo.sh")], cwd=tmp_path, env=child_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(demo.stdout), daemon=True)
+    reader.start()
+    wait_until(lambda: any(line.startswith("first step done") for line in lines), demo)  # pretraining trains
+    os.killpg(demo.pid, signal.SIGINT)  # Ctrl-C at a terminal: the whole foreground process group
+    demo.wait(timeout=120)
+    reader.join(timeout=60)
+    output = "".join(lines)
+    assert demo.returncode == 130, output
+    assert re.search(r"stopped at step \d+ \(SIGINT\); checkpoint saved", output), output
+    assert output.rstrip().endswith("the demo stops here, before the next stage (a training stage that was "
+                                    "running saved a checkpoint; its \"To continue:\" line above resumes it)")
+    assert "== 3." not in output and not (tmp_path / "out" / "full_sft_128.pth").exists()
+    assert read_status(tmp_path / "out" / "pretrain_128_status.json")["status"] == "stopped"
