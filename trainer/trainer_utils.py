@@ -21,6 +21,7 @@ import os
 import random
 import sys
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -36,6 +37,7 @@ from trainer import checkpoint_io, resume_checks
 from trainer.anomaly import AnomalyStop
 from trainer.background_save import BackgroundSaver
 from trainer.checkpoint_io import CheckpointError
+from trainer.elastic_store import attempt_store
 from trainer.resume_checks import ConfigError
 from trainer.run_lock import release_held
 
@@ -85,13 +87,15 @@ def init_distributed(device_flag: str) -> DistInfo:
     if "RANK" not in os.environ:
         return DistInfo(0, 0, 1, torch.device(device_flag))
     rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    # torchrun hands a restarted group the store of the group before it: keys of this attempt only.
+    store = attempt_store(rank, world_size, timeout=timedelta(minutes=10))
     if device_flag.startswith("cuda"):
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size, device_id=device)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     return DistInfo(rank, local_rank, world_size, device)
 
 
