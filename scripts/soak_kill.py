@@ -8,8 +8,8 @@ FAULT_SAVE_DELAY_S spread over the stages of a save), so many kills land while a
 is being written. After the last kill the job runs to the end. Then:
 
 - exactly once: every sample of every epoch was trained exactly once. Steps trained after the last
-  checkpoint and before a kill are trained again after the resume, so the trace holds them twice;
-  we keep the last record of each (step, rank), and check the replays repeat the same samples and loss.
+  checkpoint and before a kill are trained again after the resume, which first cuts their records
+  from the trace (as from the metrics file): each (step, rank) must be recorded once.
 - final equal: the final weights and optimizer state equal an uninterrupted run's (torch.equal).
 
 One line per kill (when, what the job was doing, where it had resumed from), then a summary. Exit
@@ -68,27 +68,26 @@ class SoakResult:
     kills: list[Kill] = field(default_factory=list)
     resumes: int = 0
     fallbacks: int = 0
-    replayed_steps: int = 0
     teardown_aborts: int = 0
     launch_failures: list[str] = field(default_factory=list)
-    replay_mismatches: list[str] = field(default_factory=list)
+    duplicate_records: list[str] = field(default_factory=list)
     sample_problems: list[str] = field(default_factory=list)
     state_differences: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
     @property
     def exactly_once(self) -> bool:
-        return not self.sample_problems and not self.replay_mismatches
+        return not self.sample_problems and not self.duplicate_records
 
     @property
     def final_equal(self) -> bool:
         return not self.state_differences
 
     def summary(self) -> str:
-        problems = self.launch_failures + self.sample_problems + self.replay_mismatches + self.state_differences
+        problems = self.launch_failures + self.sample_problems + self.duplicate_records + self.state_differences
         return (f"kills: {len(self.kills)}, resumes: {self.resumes}, fallbacks to older checkpoints: "
-                f"{self.fallbacks}, crashes on their own: {len(self.launch_failures)}, replayed steps: "
-                f"{self.replayed_steps}, exactly-once: {self.exactly_once}, "
+                f"{self.fallbacks}, crashes on their own: {len(self.launch_failures)}, "
+                f"exactly-once: {self.exactly_once}, "
                 f"final equal: {self.final_equal}, {self.seconds:.0f} s"
                 + (f"\n  {self.teardown_aborts} run(s) aborted at exit after finishing: {TEARDOWN_ABORT!r} "
                    f"(a known shutdown bug, not a checkpoint problem)" if self.teardown_aborts else "")
@@ -231,18 +230,14 @@ def how_it_resumed(log_text: str) -> tuple[str, bool]:
 
 # ---- the checks ---------------------------------------------------------------------------------
 
-def last_record_per_step(records: list[dict], result: SoakResult) -> list[dict]:
-    """Keep the last record of each (step, rank): a resumed run re-trains a step exactly as before."""
+def one_record_per_step(records: list[dict], result: SoakResult) -> list[dict]:
+    """The records, each (step, rank) once; a second one means a resume did not cut the trace back."""
     kept: dict[tuple, dict] = {}
     for record in records:
         key = (record["step"], record["rank"])
         if key in kept:
-            result.replayed_steps += record["rank"] == 0
-            old = kept[key]
-            if (old["samples"], old["loss"], old["epoch"]) != (record["samples"], record["loss"], record["epoch"]):
-                result.replay_mismatches.append(f"step {key[0]} rank {key[1]} differs when replayed: "
-                                                f"{old['samples']} loss {old['loss']} vs "
-                                                f"{record['samples']} loss {record['loss']}")
+            result.duplicate_records.append(f"step {key[0]} rank {key[1]} recorded twice: a resume did not cut "
+                                            f"the trace back to its checkpoint")
         kept[key] = record
     return list(kept.values())
 
@@ -353,7 +348,7 @@ def kill_and_resume(make_command: MakeCommand, flags: list, env: dict, run_dir: 
 def check_run(result: SoakResult, run_dir: Path, reference_dir: Path, num_samples: int, epochs: int) -> None:
     """Fill in the exactly-once and equal-to-uninterrupted verdicts of a killed run."""
     lines = (run_dir / "trace.jsonl").read_text().splitlines()
-    records = last_record_per_step([json.loads(line) for line in lines if line.strip()], result)
+    records = one_record_per_step([json.loads(line) for line in lines if line.strip()], result)
     result.sample_problems = check_each_sample_once(records, num_samples, epochs)
     final, reference = (torch.load(d / "ckpt" / "pretrain_32_resume.pth", weights_only=True)
                         for d in (run_dir, reference_dir))

@@ -3,7 +3,8 @@ validation loss.
 
 The loop calls one object, `Tracker`: `step` after every optimizer step, `log` at log steps, and
 `validation`, `anomaly`, `rollback`, `saved`, `finish` when those happen. Rank 0 fans each call out to
-the --logger backends; every rank writes its own lines of the --save_debug_train_output trace. Every
+the --logger backends; every rank writes its own lines of the --save_debug_train_output trace (a run
+with --from_resume 1 first cuts it back to the step it starts from, as the metrics file is). Every
 metric is logged against the optimizer step, so a resumed run's curves continue where they stopped.
 
 With the file logger on, a daemon thread on rank 0 rewrites the status file every
@@ -23,7 +24,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from trainer.checkpoint_io import atomic_write_text
 from trainer.metrics_files import MetricsFileWriter
+from trainer.resume_checks import ConfigError
 from trainer.run_lock import HEARTBEAT_S, LOCK_NAME
 
 # Dense bf16 peak of common GPUs (TFLOPS), for MFU = achieved / peak model FLOPs.
@@ -74,6 +77,37 @@ def validation_loss(model: torch.nn.Module, dataset, batch_size: int, device: to
     return (totals[0] / totals[1].clamp(min=1)).item()
 
 
+def cut_trace_back(path: Path, step: int) -> None:
+    """Keep only the trace records of steps up to `step`, the checkpoint a run resumes from (0: a fresh start).
+
+    The steps after it were trained by a run that died before saving them; this run trains them again,
+    so their records go, as their lines in the metrics file do. So does a line that is not JSON (a write
+    cut short by a kill). Rank 0 calls it before any rank appends; it says what it removed.
+    """
+    if not path.is_file():
+        return
+    kept, dropped = [], 0
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(keepends=True), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:  # cut short
+            dropped += 1
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise ConfigError(f"{path}, line {number}: not a trace record of this trainer (no step); give "
+                              f"--save_debug_train_output a new file")
+        if record["step"] <= step:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        atomic_write_text(path, "".join(kept))
+        print(f"{path}: removed {dropped} trace records after step {step}, where this run starts "
+              f"(those steps are trained again)", flush=True)
+
+
 class Tracker:
     """One run's outputs. `runs` holds the wandb/SwanLab run objects (their ids go into checkpoints)."""
 
@@ -95,6 +129,11 @@ class Tracker:
         self.trace = None
         if args.save_debug_train_output:
             Path(args.save_debug_train_output).parent.mkdir(parents=True, exist_ok=True)
+            if args.from_resume or args.resume_path:  # as the metrics file: cut back to the resumed step
+                if is_main:
+                    cut_trace_back(Path(args.save_debug_train_output), start_step)
+                if dist.is_initialized():
+                    dist.barrier()  # every rank appends to this one file: none may write before rank 0 has cut it
             # Ranks append to one file with single write() calls of whole lines (O_APPEND keeps them intact).
             self.trace = os.open(args.save_debug_train_output, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self.peak, self.flops_per_token = peak_flops(device), model_flops_per_token
