@@ -49,8 +49,9 @@ def test_sigint_to_torchrun_and_workers_twice_is_one_stop_whose_save_completes_o
         tmp_path, pretrain_data):
     # As Slurm's scancel or a container runtime does: SIGINT to torchrun and to every worker at once, so each
     # worker gets it twice (torchrun forwards its own copy); then all of it again while the stop-save is written.
-    args = run_args(tmp_path, pretrain_data, "--batch_size", "1", "--epochs", "1", "--save_interval", "1000")
-    job = start_recorded_job(tmp_path, args, slowed_env(step_delay_s=0.2, save_delay_s=6.0))
+    args = run_args(tmp_path, pretrain_data, "--batch_size", "1", "--epochs", "1", "--save_interval", "1000",
+                    "--log_interval", "1000")  # the slowed writes would slow each step's status file too
+    job = start_recorded_job(tmp_path, args, slowed_env(step_delay_s=0.2, save_delay_s=4.0))
     files = RunFiles(tmp_path / "ckpt", "pretrain_32")
     trace = tmp_path / "trace.jsonl"
     wait_until(lambda: trace.exists() and len(read_trace(trace)) >= 6, job)  # 3 steps on 2 ranks
@@ -60,7 +61,7 @@ def test_sigint_to_torchrun_and_workers_twice_is_one_stop_whose_save_completes_o
         os.kill(pid, signal.SIGINT)
     first = time.time()
     wait_until(lambda: files.history_dir.is_dir() and any(files.history_dir.iterdir()), job)
-    time.sleep(max(0.0, first + 2.5 - time.time()))  # later than StopRequest.SAME_REQUEST_WITHIN_S: a new request
+    time.sleep(max(0.0, first + 1.5 - time.time()))  # later than StopRequest.SAME_REQUEST_WITHIN_S: a new request
     save_in_flight = not list(files.history_dir.glob("*.json"))  # its history file begun, no manifest yet
     for pid in [job.pid, *workers]:
         os.kill(pid, signal.SIGINT)
@@ -82,11 +83,11 @@ def test_sigint_to_torchrun_and_workers_twice_is_one_stop_whose_save_completes_o
 
 def test_torchrun_kills_a_stop_save_longer_than_its_shutdown_timeout_and_the_previous_checkpoint_stays(
         tmp_path, pretrain_data):
-    # Saves take 8 s, torchrun waits 4 s for its workers: longer than a step (even on a busy machine), shorter
-    # than the stop-save.
-    args = run_args(tmp_path, pretrain_data, "--batch_size", "1", "--epochs", "1", "--save_interval", "3")
-    job = start_recorded_job(tmp_path, args, slowed_env(step_delay_s=0.2, save_delay_s=8.0),
-                             "--shutdown-timeout", "4")
+    # Saves take over 5 s, torchrun waits 2 s for its workers: longer than a step, shorter than the stop-save.
+    args = run_args(tmp_path, pretrain_data, "--batch_size", "1", "--epochs", "1", "--save_interval", "3",
+                    "--log_interval", "1000")
+    job = start_recorded_job(tmp_path, args, slowed_env(step_delay_s=0.2, save_delay_s=5.0),
+                             "--shutdown-timeout", "2")
     files = RunFiles(tmp_path / "ckpt", "pretrain_32")
     step_3_saved = "pretrain_32_history/step_00000003.pth\n"  # the pointer is the save's last write
     wait_until(lambda: files.latest_pointer.exists() and files.latest_pointer.read_text() == step_3_saved, job)

@@ -20,7 +20,7 @@ class StopRequest:
     line on rank 0 saying the stop is under way and how to abort without saving.
     """
 
-    SAME_REQUEST_WITHIN_S = 2.0  # signals this close to the previous line are copies of one request
+    SAME_REQUEST_WITHIN_S = 1.0  # copies of one request arrive within milliseconds; a person presses again later
 
     def __init__(self):
         self.signal: str | None = None
