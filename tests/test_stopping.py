@@ -100,6 +100,27 @@ def test_torchrun_kills_a_stop_save_longer_than_its_shutdown_timeout_and_the_pre
     assert [p.name for p in files.history_dir.glob("*.pth")] == ["step_00000003.pth"]
 
 
+def test_ctrl_c_twice_in_a_terminal_stops_once_and_names_the_process_to_kill(tmp_path, pretrain_data):
+    # A terminal's Ctrl-C reaches the whole foreground group: the trainer and its DataLoader worker, which
+    # inherits the handler when it is forked and must stay silent.
+    model = [*TINY_MODEL[:-4], "--num_workers", "1", *TINY_MODEL[-2:]]
+    assert TINY_MODEL[-4] == "--num_workers"
+    args = run_args(tmp_path, pretrain_data, "--batch_size", "1", "--epochs", "1", "--log_interval", "1000")
+    job = subprocess.Popen([sys.executable, str(REPO / "trainer" / "train_pretrain.py"), *model, *args], cwd=tmp_path,
+                           env=slowed_env(step_delay_s=0.2, save_delay_s=3.0), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    trace = tmp_path / "trace.jsonl"
+    wait_until(lambda: trace.exists() and len(read_trace(trace)) >= 3, job)
+    os.killpg(job.pid, signal.SIGINT)
+    time.sleep(1.5)  # a person pressing again
+    os.killpg(job.pid, signal.SIGINT)
+    output, _ = job.communicate(timeout=120)
+    assert job.returncode == 0 and "Traceback" not in output, output
+    assert re.findall(r"stop under way .* To abort without saving: (.*)", output) == [f"kill -9 {job.pid}"], output
+    stopped_at = resume_file(tmp_path)["global_step"]
+    assert f"stopped at step {stopped_at} (SIGINT)" in output and stopped_at == len(read_trace(trace))
+
+
 def test_one_ctrl_c_stops_the_demo_after_pretraining_saves(tmp_path):
     # The real script in a copy of the project (it writes out/, checkpoints/ and the demo data where it lives).
     for name in ("model", "dataset", "trainer", "scripts"):

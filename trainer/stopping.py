@@ -26,6 +26,7 @@ class StopRequest:
         self.signal: str | None = None
         self._quiet_until = 0.0
         self._is_main = os.environ.get("RANK", "0") == "0"  # torchrun sets RANK; a plain run is rank 0
+        self._pid = os.getpid()  # DataLoader workers forked later inherit this handler; they stay silent
         signal.signal(signal.SIGTERM, self._request)
         signal.signal(signal.SIGINT, self._request)
 
@@ -34,7 +35,7 @@ class StopRequest:
         if self.signal is None:
             self.signal, self._quiet_until = name, now + self.SAME_REQUEST_WITHIN_S
             return
-        if now < self._quiet_until or not self._is_main:
+        if now < self._quiet_until or not self._is_main or os.getpid() != self._pid:
             return
         self._quiet_until = now + self.SAME_REQUEST_WITHIN_S
         if "LOCAL_RANK" in os.environ:  # rank 0 alone writes; killing only it leaves the others in a collective
