@@ -39,7 +39,8 @@ class StopRequest:
             return
         self._quiet_until = now + self.SAME_REQUEST_WITHIN_S
         if "LOCAL_RANK" in os.environ:  # rank 0 alone writes; killing only it leaves the others in a collective
-            abort = f"pkill -9 -P {os.getppid()} (the launcher's workers on this node; run it on each node)"
+            launcher = os.getppid()  # torchrun: killed too, or its --max-restarts would start the workers again
+            abort = f"pkill -9 -P {launcher}; kill -9 {launcher}  (torchrun's workers, then torchrun; on each node)"
         else:
             abort = f"kill -9 {os.getpid()}"
         # os.write, not print: a handler that prints while the interrupted code is inside a print to the
