@@ -5,10 +5,10 @@ torchrun keeps one TCPStore for the life of the launcher (`--standalone`, `--rdz
 `--master_addr/--master_port` alike) and hands it to every group it starts, and `init_process_group`
 writes each rank's gloo address (or NCCL id) under the same keys every time. A restarted rank that
 reads its peer's entry before the peer rewrote it gets the dead group's address: gloo then fails with
-"connectFullMesh ... Connection refused", or both ranks wait for the other to connect until the
-30-minute gloo timeout. TORCHELASTIC_RESTART_COUNT cannot name the attempt: every node's launcher
-counts only its own restarts, and a node restarted because another node's worker died does not count
-it (pytorch/pytorch#108158, #135712).
+"connectFullMesh ... Connection refused", or both ranks wait in gloo's connect for good (a process
+group timeout of 10 s did not end it; it was still waiting at 50 s). TORCHELASTIC_RESTART_COUNT cannot
+name the attempt: every node's launcher counts only its own restarts, and a node restarted because
+another node's worker died does not count it (pytorch/pytorch#108158, #135712).
 
 So rank 0 names this attempt with a random token and publishes it; every other rank proves that the
 token it read is the current one by a round trip with the rank 0 that wrote it (a dead rank 0 never
