@@ -98,7 +98,7 @@ def _take(directory, results):
 
 def test_of_several_starters_on_a_stale_lock_exactly_one_wins(tmp_path):
     foreign_lock(tmp_path, pid=dead_pid())
-    context = multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("fork")  # the starters need only this module, already imported
     results = context.Queue()
     starters = [context.Process(target=_take, args=(tmp_path, results)) for _ in range(4)]
     for p in starters:
