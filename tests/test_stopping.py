@@ -132,7 +132,13 @@ def test_one_ctrl_c_stops_the_demo_after_pretraining_saves(tmp_path):
     reader.start()
     wait_until(lambda: any(line.startswith("first step done") for line in lines), demo)  # pretraining trains
     os.killpg(demo.pid, signal.SIGINT)  # Ctrl-C at a terminal: the whole foreground process group
-    demo.wait(timeout=120)
+    try:
+        demo.wait(timeout=120)
+    except subprocess.TimeoutExpired:  # say where it hung, then leave nothing running
+        tree = subprocess.run(["ps", "-o", "pid,stat,etime,args", "-g", str(demo.pid)], capture_output=True, text=True)
+        os.killpg(demo.pid, signal.SIGKILL)
+        raise AssertionError(f"the demo did not end 120 s after Ctrl-C; its processes:\n{tree.stdout}\n"
+                             f"its output:\n{''.join(lines)}") from None
     reader.join(timeout=60)
     output = "".join(lines)
     assert demo.returncode == 130, output
