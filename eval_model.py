@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         model = load_model(args, tokenizer, torch.device(args.device), log=lambda line: print(line, file=sys.stderr))
     except (FileNotFoundError, RuntimeError) as error:
         print(f"error: {error}", file=sys.stderr)
-        return 1
+        return 2  # an expected error exits 2, as in the training scripts
     # A pretrained model has never seen ChatML, so it is asked to continue plain text instead.
     raw_text = args.weight == "pretrain"
 

@@ -130,7 +130,8 @@ def events_of(run_dir: Path, name: str = PRETRAIN_RUN) -> list[tuple[str, int]]:
 
 
 def last_record_per_step_and_rank(trace: list[dict]) -> list[dict]:
-    """A step trained again (after a kill or a rollback) appears twice in the trace; the later record counts."""
+    """A step trained again after a rollback appears twice in the trace (a resume cuts the trace back to its
+    checkpoint, so a kill leaves one record per step); the later record counts."""
     last = {}
     for record in trace:
         last[record["step"], record["rank"]] = record
