@@ -120,6 +120,9 @@ class DirectoryLock:
     def acquire(self) -> None:
         deadline = time.monotonic() + STALE_AFTER_S + 2 * HEARTBEAT_S  # the longest we wait for a stale beat
         while True:
+            if time.monotonic() > deadline:  # other starters kept winning or moving it: do not loop for ever
+                raise ConfigError(f"could not take {self.path} within {STALE_AFTER_S + 2 * HEARTBEAT_S:.0f} s; "
+                                  f"is another trainer starting on {self.path.parent}?")
             # The record goes into a temp file first and is then linked to the lock's name: os.link fails if
             # the name exists (like O_EXCL), and a kill at any instant leaves no empty, unreadable lock.
             tmp = self.path.with_name(f"{LOCK_NAME}.partial-{self.record['host']}-{os.getpid()}.tmp")
@@ -221,7 +224,7 @@ def _heartbeat_loop() -> None:
         for lock in list(_held):
             try:
                 lock.beat()
-            except OSError as error:  # a full disk must not kill the thread; the next beat tries again
+            except (OSError, ConfigError) as error:  # a full disk, a garbled lock: say so, the next beat tries again
                 lock.log(f"WARNING: could not write the heartbeat of {lock.path}: {error}")
 
 
