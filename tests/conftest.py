@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,15 @@ def train(script: str, nproc: int | None, args: list[str], cwd: Path, check: boo
     if check:
         assert_exit_code(result)
     return result
+
+
+def wait_until(condition, job: subprocess.Popen, timeout: float = 120) -> None:
+    """Poll `condition` until it holds; fail if `job` ends first or `timeout` seconds pass."""
+    deadline = time.time() + timeout
+    while not condition():
+        assert job.poll() is None, f"the job ended (exit {job.returncode}) before the moment the test waits for"
+        assert time.time() < deadline, "timed out waiting for the job"
+        time.sleep(0.05)
 
 
 def run_args(run_dir: Path, data: Path, *extra: str) -> list[str]:

@@ -10,12 +10,11 @@ import collections
 import json
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import torch
 
-from conftest import FAULT_INJECTION_DIR, TINY_MODEL, child_env, launch_command, read_trace, train
+from conftest import FAULT_INJECTION_DIR, TINY_MODEL, child_env, launch_command, read_trace, train, wait_until
 from scripts.soak_kill import kill_job
 from trainer.checkpoint_io import RunFiles, manifest_path, verify
 
@@ -32,14 +31,6 @@ def fault_env(**faults) -> dict:
 
 def history(tmp_path: Path) -> RunFiles:
     return RunFiles(tmp_path / "ckpt", "pretrain_32")
-
-
-def wait_until(condition, job: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.time() + timeout
-    while not condition():
-        assert job.poll() is None, f"the job ended (exit {job.returncode}) before the moment the test waits for"
-        assert time.time() < deadline, "timed out waiting for the job"
-        time.sleep(0.05)
 
 
 def steps_in_trace(tmp_path: Path) -> set[int]:

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from conftest import (PRETRAIN_RUN, REPO, TINY_MODEL, assert_exit_code, child_env, free_port, launch_command,
-                      run_args, slowed_env, train)
+                      run_args, slowed_env, train, wait_until)
 from trainer import run_lock
 from trainer.resume_checks import ConfigError
 
@@ -118,9 +118,7 @@ def test_a_second_trainer_is_refused_and_a_killed_ones_lock_is_taken_over(tmp_pa
                              text=True)
     try:
         lock_file = run / "ckpt" / run_lock.LOCK_NAME
-        deadline = time.monotonic() + 60
-        while not (run / "ckpt" / f"{PRETRAIN_RUN}_history").is_dir() and time.monotonic() < deadline:
-            time.sleep(0.2)  # the first trainer has passed start-up
+        wait_until(lambda: (run / "ckpt" / f"{PRETRAIN_RUN}_history").is_dir(), first, 60)  # past start-up
         assert lock_file.is_file() and run_lock.read_lock(lock_file)["pid"] == first.pid
         second = train("train_pretrain.py", None, flags, tmp_path, check=False)
         assert_exit_code(second, 2)

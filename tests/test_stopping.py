@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from conftest import (REPO, TINY_MODEL, child_env, free_port, read_trace, resume_file, run_args, slowed_env,
-                      status_of)
+                      status_of, wait_until)
 from scripts.run_files import read_status
 from trainer.checkpoint_io import RunFiles, verify
 
@@ -31,14 +31,6 @@ def start_recorded_job(run_dir: Path, args: list[str], env: dict, *torchrun_flag
                str(REPO / "trainer" / "train_pretrain.py"), *TINY_MODEL, *args]
     return subprocess.Popen(command, cwd=run_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
-
-
-def wait_until(condition, job: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.time() + timeout
-    while not condition():
-        assert job.poll() is None, f"the job ended (exit {job.returncode}) before the moment the test waits for"
-        assert time.time() < deadline, "timed out waiting for the job"
-        time.sleep(0.05)
 
 
 def children(pid: int) -> list[int]:
