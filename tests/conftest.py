@@ -20,6 +20,8 @@ import pytest
 import torch
 
 from scripts.run_files import TRAINING_STATE_FIELDS, state_differences
+from trainer import checkpoint_io as cio
+from trainer.checkpoint_io import RunFiles
 
 REPO = Path(__file__).resolve().parent.parent
 FAULT_INJECTION_DIR = REPO / "tests" / "fault_injection"
@@ -94,6 +96,33 @@ def run_args(run_dir: Path, data: Path, *extra: str) -> list[str]:
     return ["--data_path", str(data), "--save_dir", str(run_dir / "out"), "--checkpoint_dir", str(run_dir / "ckpt"),
             "--metrics_dir", str(run_dir / "metrics"), "--save_debug_train_output", str(run_dir / "trace.jsonl"),
             "--log_interval", "1", *extra]
+
+
+# ---- checkpoints made in-process --------------------------------------------------------------
+
+def small_state(step: int) -> dict:
+    """A checkpoint-shaped dict: tensors, nested dicts, plain numbers."""
+    generator = torch.Generator().manual_seed(step)
+    return {"model": {"w": torch.randn(64, 16, generator=generator), "b": torch.full((16,), float(step))},
+            "optimizer": {"state": {0: {"step": torch.tensor(float(step))}}, "param_groups": [{"lr": 1e-3}]},
+            "step": step, "epoch": 0}
+
+
+def save(files: RunFiles, step: int, keep_last: int = 2) -> Path:
+    return cio.save_verified(files, small_state(step), step, keep_last, {"epoch": 0, "samples_consumed": 4 * step})
+
+
+@pytest.fixture
+def files(tmp_path) -> RunFiles:
+    """The checkpoint files of a run named like TINY_MODEL's pretraining, under tmp_path/ckpt."""
+    return RunFiles(tmp_path / "ckpt", "pretrain_32")
+
+
+class Lines(list):
+    """A `log` callable that keeps what it was told."""
+
+    def __call__(self, line: str) -> None:
+        self.append(line)
 
 
 # ---- reading what a run left ------------------------------------------------------------------

@@ -23,33 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PRETRAIN_RUN, REPO, assert_exit_code, child_env, read_trace, run_args, train
-from trainer import checkpoint_io as cio, run_lock
+from conftest import PRETRAIN_RUN, REPO, Lines, assert_exit_code, child_env, run_args, save, small_state, train
+from trainer import checkpoint_io as cio
 from trainer.checkpoint_io import CheckpointError, RunFiles
-
-
-def small_state(step: int) -> dict:
-    """A checkpoint-shaped dict: tensors, nested dicts, plain numbers."""
-    generator = torch.Generator().manual_seed(step)
-    return {"model": {"w": torch.randn(64, 16, generator=generator), "b": torch.full((16,), float(step))},
-            "optimizer": {"state": {0: {"step": torch.tensor(float(step))}}, "param_groups": [{"lr": 1e-3}]},
-            "step": step, "epoch": 0}
-
-
-def save(files: RunFiles, step: int, keep_last: int = 2) -> Path:
-    return cio.save_verified(files, small_state(step), step, keep_last, {"epoch": 0, "samples_consumed": 4 * step})
-
-
-@pytest.fixture
-def files(tmp_path) -> RunFiles:
-    return RunFiles(tmp_path / "ckpt", "pretrain_32")
-
-
-class Lines(list):
-    """A `log` callable that keeps what it was told."""
-
-    def __call__(self, line: str) -> None:
-        self.append(line)
 
 
 def names(directory: Path, pattern: str) -> list[str]:
@@ -402,42 +378,6 @@ def test_an_unreadable_newest_checkpoint_or_manifest_is_skipped_and_the_older_on
         shutil.rmtree(checkpoint_dir)
 
 
-# ---- obstructions are found before training starts ---------------------------------------------
-
-def test_every_obstruction_is_named_in_one_line_and_nothing_is_changed(files, tmp_path):
-    save(files, 2)
-    out_path = tmp_path / "out" / "pretrain_32.pth"
-    assert run_lock.find_obstructions(files, out_path) == []
-    files.failed_dir.write_text("a file where the folder for failed checkpoints goes")
-    folders = [files.history_file(3), files.history_dir / "step_00000003.json", files.latest_pointer, out_path]
-    files.latest_pointer.unlink()
-    for folder in folders:
-        folder.mkdir(parents=True)
-    os.mkfifo(files.history_file(4))  # reading it would wait forever
-    (files.history_dir / "step_00000005.pth").symlink_to(tmp_path / "nowhere")
-    files.resume_link.unlink()
-    files.resume_link.mkdir()
-    (files.history_dir / "notes").mkdir()  # not a name a save writes: not in the way
-    found = run_lock.find_obstructions(files, out_path)
-    expected = [*folders, files.resume_link, files.failed_dir, files.history_file(4), files.history_file(5)]
-    assert len(found) == len(expected)
-    for path in expected:
-        assert sum(line.startswith(f"{path} is ") for line in found) == 1, (path, found)
-    with pytest.raises(CheckpointError) as caught:
-        run_lock.check_no_obstructions(files, out_path)
-    message = str(caught.value)
-    assert "\n" not in message and all(str(path) in message for path in expected)
-    assert "Move them out of the way" in message
-    assert all(path.is_dir() for path in folders) and files.failed_dir.is_file()
-
-
-def test_a_history_folder_that_is_a_file_is_an_obstruction(files, tmp_path):
-    files.checkpoint_dir.mkdir()
-    files.history_dir.write_text("not a folder")
-    assert run_lock.find_obstructions(files, tmp_path / "out" / "pretrain_32.pth") == [
-        f"{files.history_dir} is a file, where this run needs a folder"]
-
-
 # ---- temp files are the writer's own -----------------------------------------------------------
 
 def test_two_writers_of_one_file_use_two_temp_names_and_leave_none(tmp_path):
@@ -463,29 +403,6 @@ def test_two_writers_of_one_file_use_two_temp_names_and_leave_none(tmp_path):
     assert errors == [] and len(temps_seen) == 2 and len(set(temps_seen[0])) == 2
     assert all(f"-{os.getpid()}-" in name and name.startswith("step_00000001.pth.partial-") for name in temps_seen[0])
     assert target.read_bytes() in (b"first", b"second") and list(tmp_path.glob("*.tmp")) == []
-
-
-def test_stale_temp_files_of_the_run_are_removed_and_nothing_else(files, tmp_path):
-    out_dir = tmp_path / "out"
-    save(files, 2)
-    ours = [files.history_dir / "step_00000004.pth.tmp",  # an earlier version's fixed name
-            files.history_dir / "step_00000004.pth.partial-node1-123-456.tmp",
-            files.history_dir / "step_00000004.json.partial-node1-123-456.tmp",
-            files.checkpoint_dir / "pretrain_32_resume.pth.partial-node1-123-456.tmp",
-            files.checkpoint_dir / "pretrain_32_latest.txt.tmp", out_dir / "pretrain_32.pth.partial-node2-9-9.tmp"]
-    not_ours = [files.history_dir / "notes.tmp", files.checkpoint_dir / "full_sft_32_resume.pth.partial-n-1-1.tmp",
-                out_dir / "pretrain_32.pth.partial-n-1-1.tmp.bak", out_dir / "mine.tmp",
-                out_dir / "trainer.lock.partial-n-1.tmp", files.checkpoint_dir / "pretrain_32_resume.pth.old.tmp"]
-    out_dir.mkdir()
-    for path in ours + not_ours:
-        path.write_bytes(b"x")
-    (files.history_dir / "step_00000005.pth.tmp").mkdir()  # not a file a write leaves: left alone
-    log = Lines()
-    removed = run_lock.remove_stale_temp_files(files, out_dir, log)
-    assert sorted(removed) == sorted(ours) and not any(path.exists() for path in ours)
-    assert all(path.exists() for path in not_ours) and (files.history_dir / "step_00000005.pth.tmp").is_dir()
-    assert len(log) == len(ours) and all(any(str(path) in line for line in log) for path in ours)
-    assert cio.verify(files.history_file(2)) is None
 
 
 # ---- files are made like any other file --------------------------------------------------------
@@ -520,18 +437,3 @@ def test_resume_past_a_damaged_newest_checkpoint_keeps_the_good_older_one(tmp_pa
     assert names(files.failed_dir, "*") == ["step_00000004.json", "step_00000004.pth"]
     assert str(files.failed_dir / "step_00000004.pth") in result.stdout + result.stderr
     assert_newest_is(files, files.history_file(3))
-
-
-def test_a_folder_where_the_next_checkpoint_goes_stops_the_run_before_training(tmp_path, pretrain_data):
-    files = RunFiles(tmp_path / "ckpt", PRETRAIN_RUN)
-    args = run_args(tmp_path, pretrain_data, "--batch_size", "2", "--epochs", "1", "--save_interval", "1")
-    train("train_pretrain.py", None, [*args, "--max_steps", "1"], cwd=tmp_path)
-    files.history_file(2).mkdir()  # where the resumed run's first save would go
-    steps_before = len(read_trace(tmp_path / "trace.jsonl"))
-    result = train("train_pretrain.py", None, [*args, "--from_resume", "1", "--max_steps", "1"], cwd=tmp_path,
-                   check=False)
-    assert_exit_code(result, 2)
-    errors = [line for line in (result.stdout + result.stderr).splitlines() if str(files.history_file(2)) in line]
-    assert len(errors) == 1 and "is a folder" in errors[0] and "Traceback" not in result.stderr
-    assert len(read_trace(tmp_path / "trace.jsonl")) == steps_before  # not a step trained
-    assert files.history_file(2).is_dir() and cio.verify(files.history_file(1)) is None

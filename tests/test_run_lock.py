@@ -1,5 +1,6 @@
 """One run owns its directories (trainer/run_lock.py): a second trainer is refused, naming the holder; a
-lock is taken over only from a holder that is provably gone; every rank must see rank 0's directory."""
+lock is taken over only from a holder that is provably gone; every rank must see rank 0's directory; holding
+the lock, the start removes the temp files of killed writes and finds whatever stands where a save writes."""
 
 import json
 import multiprocessing
@@ -12,9 +13,10 @@ import time
 
 import pytest
 
-from conftest import (PRETRAIN_RUN, REPO, TINY_MODEL, assert_exit_code, child_env, free_port, launch_command,
-                      run_args, slowed_env, train, wait_until)
-from trainer import run_lock
+from conftest import (PRETRAIN_RUN, REPO, TINY_MODEL, Lines, assert_exit_code, child_env, free_port, launch_command,
+                      read_trace, run_args, save, slowed_env, train, wait_until)
+from trainer import checkpoint_io as cio, run_lock
+from trainer.checkpoint_io import CheckpointError, RunFiles
 from trainer.resume_checks import ConfigError
 
 
@@ -148,3 +150,77 @@ def test_a_rank_that_cannot_see_rank_0s_directory_fails_fast(tmp_path, pretrain_
     assert "every node must see the same checkpoint directory" in result.stderr
     assert "trainer/" not in "".join(l for l in result.stderr.splitlines() if l.strip().startswith("File "))
     assert not (tmp_path / "node0" / "ckpt" / f"{PRETRAIN_RUN}_history").exists()  # no step was trained
+
+
+# ---- at start, holding the lock: obstructions and the temp files of killed writes ---------------------------------------------
+
+def test_every_obstruction_is_named_in_one_line_and_nothing_is_changed(files, tmp_path):
+    save(files, 2)
+    out_path = tmp_path / "out" / "pretrain_32.pth"
+    assert run_lock.find_obstructions(files, out_path) == []
+    files.failed_dir.write_text("a file where the folder for failed checkpoints goes")
+    folders = [files.history_file(3), files.history_dir / "step_00000003.json", files.latest_pointer, out_path]
+    files.latest_pointer.unlink()
+    for folder in folders:
+        folder.mkdir(parents=True)
+    os.mkfifo(files.history_file(4))  # reading it would wait forever
+    (files.history_dir / "step_00000005.pth").symlink_to(tmp_path / "nowhere")
+    files.resume_link.unlink()
+    files.resume_link.mkdir()
+    (files.history_dir / "notes").mkdir()  # not a name a save writes: not in the way
+    found = run_lock.find_obstructions(files, out_path)
+    expected = [*folders, files.resume_link, files.failed_dir, files.history_file(4), files.history_file(5)]
+    assert len(found) == len(expected)
+    for path in expected:
+        assert sum(line.startswith(f"{path} is ") for line in found) == 1, (path, found)
+    with pytest.raises(CheckpointError) as caught:
+        run_lock.check_no_obstructions(files, out_path)
+    message = str(caught.value)
+    assert "\n" not in message and all(str(path) in message for path in expected)
+    assert "Move them out of the way" in message
+    assert all(path.is_dir() for path in folders) and files.failed_dir.is_file()
+
+
+def test_a_history_folder_that_is_a_file_is_an_obstruction(files, tmp_path):
+    files.checkpoint_dir.mkdir()
+    files.history_dir.write_text("not a folder")
+    assert run_lock.find_obstructions(files, tmp_path / "out" / "pretrain_32.pth") == [
+        f"{files.history_dir} is a file, where this run needs a folder"]
+
+
+def test_stale_temp_files_of_the_run_are_removed_and_nothing_else(files, tmp_path):
+    out_dir = tmp_path / "out"
+    save(files, 2)
+    ours = [files.history_dir / "step_00000004.pth.tmp",  # an earlier version's fixed name
+            files.history_dir / "step_00000004.pth.partial-node1-123-456.tmp",
+            files.history_dir / "step_00000004.json.partial-node1-123-456.tmp",
+            files.checkpoint_dir / "pretrain_32_resume.pth.partial-node1-123-456.tmp",
+            files.checkpoint_dir / "pretrain_32_latest.txt.tmp", out_dir / "pretrain_32.pth.partial-node2-9-9.tmp"]
+    not_ours = [files.history_dir / "notes.tmp", files.checkpoint_dir / "full_sft_32_resume.pth.partial-n-1-1.tmp",
+                out_dir / "pretrain_32.pth.partial-n-1-1.tmp.bak", out_dir / "mine.tmp",
+                out_dir / "trainer.lock.partial-n-1.tmp", files.checkpoint_dir / "pretrain_32_resume.pth.old.tmp"]
+    out_dir.mkdir()
+    for path in ours + not_ours:
+        path.write_bytes(b"x")
+    (files.history_dir / "step_00000005.pth.tmp").mkdir()  # not a file a write leaves: left alone
+    log = Lines()
+    removed = run_lock.remove_stale_temp_files(files, out_dir, log)
+    assert sorted(removed) == sorted(ours) and not any(path.exists() for path in ours)
+    assert all(path.exists() for path in not_ours) and (files.history_dir / "step_00000005.pth.tmp").is_dir()
+    assert len(log) == len(ours) and all(any(str(path) in line for line in log) for path in ours)
+    assert cio.verify(files.history_file(2)) is None
+
+
+def test_a_folder_where_the_next_checkpoint_goes_stops_the_run_before_training(tmp_path, pretrain_data):
+    files = RunFiles(tmp_path / "ckpt", PRETRAIN_RUN)
+    args = run_args(tmp_path, pretrain_data, "--batch_size", "2", "--epochs", "1", "--save_interval", "1")
+    train("train_pretrain.py", None, [*args, "--max_steps", "1"], cwd=tmp_path)
+    files.history_file(2).mkdir()  # where the resumed run's first save would go
+    steps_before = len(read_trace(tmp_path / "trace.jsonl"))
+    result = train("train_pretrain.py", None, [*args, "--from_resume", "1", "--max_steps", "1"], cwd=tmp_path,
+                   check=False)
+    assert_exit_code(result, 2)
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if str(files.history_file(2)) in line]
+    assert len(errors) == 1 and "is a folder" in errors[0] and "Traceback" not in result.stderr
+    assert len(read_trace(tmp_path / "trace.jsonl")) == steps_before  # not a step trained
+    assert files.history_file(2).is_dir() and cio.verify(files.history_file(1)) is None
