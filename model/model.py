@@ -133,10 +133,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 for accuracy in bf16/fp16; multiply after casting back, as Qwen3 does.
-        x_f32 = x.float()
-        x_normed = x_f32 * torch.rsqrt(x_f32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x_normed.to(x.dtype)
+        # One fused op that sums squares in float32 and returns x's dtype. Qwen3 writes it as five ops
+        # and multiplies by the fp32 weight after casting back, which turns bf16 queries and keys into
+        # fp32. Here the weight takes x's dtype instead (a no-op for the fp32 residual stream), and
+        # autocast is told to keep out: it would run rms_norm in fp32, copying q and k to fp32 and back.
+        # The result is cast once to the dtype the next matmuls run in (bf16 under autocast), where
+        # autocast would cast it again for each of them (q, k and v; gate and up).
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        with torch.autocast(device, enabled=False):
+            return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps).to(dtype)
 
 
 def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -147,10 +153,13 @@ def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: 
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each pair (x[i], x[i + half]) of the last dimension by its angle.
+
+    Qwen3's rotate_half is cat(-x2, x1); here it is roll(x) = cat(x2, x1), with the minus sign moved
+    into the table (`signed_sin` = cat(-sin, sin)): four ops instead of five, and no copies of slices.
+    """
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class Attention(nn.Module):
@@ -169,11 +178,11 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, past_kv=None):
         batch, seq, _ = x.shape
-        # (batch, seq, heads, head_dim): normalise each head, then move heads before seq.
-        q = self.q_norm(self.q_proj(x).view(batch, seq, -1, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(batch, seq, -1, self.head_dim)).transpose(1, 2)
+        # Norm and rotation on contiguous (batch, seq, heads, head_dim) tensors, in the activation dtype;
+        # only then are heads moved before seq (a view) for attention. cos/sin are (seq, 1, head_dim).
+        q = apply_rotary(self.q_norm(self.q_proj(x).view(batch, seq, -1, self.head_dim)), cos, sin).transpose(1, 2)
+        k = apply_rotary(self.k_norm(self.k_proj(x).view(batch, seq, -1, self.head_dim)), cos, sin).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
         if past_kv is not None:
             k = torch.cat((past_kv[0], k), dim=2)
@@ -182,19 +191,18 @@ class Attention(nn.Module):
         past_len = k.shape[2] - seq
 
         # Grouped-query attention: each key/value head serves num_heads / num_kv_heads query heads.
-        groups = self.num_heads // self.num_kv_heads
-        k_all, v_all = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        dropout = self.dropout if self.training else 0.0
+        # enable_gqa lets the attention kernel read the shared heads in place (no repeated copies).
+        gqa = dict(dropout_p=self.dropout if self.training else 0.0, enable_gqa=self.num_heads != self.num_kv_heads)
         if past_len == 0:
-            out = F.scaled_dot_product_attention(q, k_all, v_all, dropout_p=dropout, is_causal=True)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
         elif seq == 1:
             # One new token may look at every cached position: no mask at all.
-            out = F.scaled_dot_product_attention(q, k_all, v_all, dropout_p=dropout)
+            out = F.scaled_dot_product_attention(q, k, v, **gqa)
         else:
             # A chunk after a cache: query i sits at position past_len + i and sees keys up to it.
             # (is_causal would align the triangle to the top-left corner, which is wrong here.)
             mask = torch.ones(seq, past_len + seq, dtype=torch.bool, device=x.device).tril(diagonal=past_len)
-            out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, dropout_p=dropout)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
         out = out.transpose(1, 2).reshape(batch, seq, -1)
         return self.o_proj(out), new_kv
 
@@ -266,7 +274,7 @@ class DecoderLayer(nn.Module):
         if self.use_moe:
             mlp_out, aux_loss = self.mlp(self.post_attention_layernorm(x))
         else:
-            mlp_out, aux_loss = self.mlp(self.post_attention_layernorm(x)), x.new_zeros((), dtype=torch.float32)
+            mlp_out, aux_loss = self.mlp(self.post_attention_layernorm(x)), None  # dense: no balance loss
         x = x + self.resid_dropout(mlp_out)
         return x, new_kv, aux_loss
 
@@ -280,17 +288,32 @@ class Decoder(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Rotary tables for every position, computed once in fp32. Not persistent: they are not
+        # weights, so state_dict() keeps exactly Qwen3's and minimind's keys.
+        cos, sin = rotary_cos_sin(torch.arange(config.max_position_embeddings), config.head_dim,
+                                  config.rope_theta, torch.float32)
+        half = config.head_dim // 2
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_signed_sin", torch.cat((-sin[:, :half], sin[:, half:]), dim=-1), persistent=False)
 
     def forward(self, input_ids, past_key_values=None):
         x = self.embed_tokens(input_ids)
         past_len = past_key_values[0][0].shape[2] if past_key_values else 0
-        positions = torch.arange(past_len, past_len + input_ids.shape[1], device=input_ids.device)
-        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        end = past_len + input_ids.shape[1]
+        if end > self.rope_cos.shape[0]:
+            raise ValueError(f"{end} positions exceed max_position_embeddings ({self.rope_cos.shape[0]})")
+        # The tables in the dtype attention runs in (bf16 under autocast), cast once for all layers,
+        # shaped (seq, 1, head_dim) to broadcast over the heads of (batch, seq, heads, head_dim).
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        cos = self.rope_cos[past_len:end, None].to(dtype)
+        sin = self.rope_signed_sin[past_len:end, None].to(dtype)
         new_cache, aux_loss = [], x.new_zeros((), dtype=torch.float32)
         for i, layer in enumerate(self.layers):
             x, kv, layer_aux = layer(x, cos, sin, past_key_values[i] if past_key_values else None)
             new_cache.append(kv)
-            aux_loss = aux_loss + layer_aux
+            if layer_aux is not None:
+                aux_loss = aux_loss + layer_aux
         return self.norm(x), new_cache, aux_loss
 
 
@@ -335,12 +358,14 @@ class CausalLM(nn.Module):
         if labels is not None:
             if loss_reduction not in ("mean", "sum"):
                 raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-            shift_logits = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
-            shift_labels = labels[:, 1:].reshape(-1)
-            loss = F.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="sum")
+            # Shift the labels, not the logits: position t predicts labels[t + 1], the last predicts
+            # nothing (-100). Slicing the logits would copy all of them; flatten(0, 1) is a view.
+            # (Under autocast, cross_entropy computes in fp32, as it must for a sum over many tokens.)
+            targets = F.pad(labels[:, 1:], (0, 1), value=-100).flatten()
+            loss = F.cross_entropy(logits.flatten(0, 1), targets, ignore_index=-100, reduction="sum")
             if loss_reduction == "mean":
                 # clamp: a batch with no counted token gives 0 instead of 0/0 = NaN.
-                loss = loss / (shift_labels != -100).sum().clamp(min=1)
+                loss = loss / (targets != -100).sum().clamp(min=1)
         return CausalLMOutput(
             logits=logits,
             loss=loss,
