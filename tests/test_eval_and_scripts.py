@@ -156,10 +156,28 @@ def test_bench_prints_one_json_line_with_every_key(capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1
     result = json.loads(lines[0])
-    keys = {"impl", "hidden", "layers", "params_M", "batch", "seq", "compile", "tokens_per_s", "tflops", "peak_mem_GiB"}
+    keys = {"impl", "hidden", "layers", "params_M", "batch", "seq", "compile", "tokens_per_s", "tflops", "mfu",
+            "peak_mem_GiB"}
     assert keys <= set(result)
     assert result["impl"] == "tiny-llm-trainer" and result["hidden"] == 32 and result["seq"] == 16
-    assert result["tokens_per_s"] > 0 and result["tflops"] >= 0 and result["peak_mem_GiB"] == 0.0
+    assert result["tokens_per_s"] > 0 and result["tflops"] >= 0 and result["peak_mem_GiB"] is None  # no GPU memory
+    assert result["mfu"] == pytest.approx(result["tflops"] / 989, abs=1e-7)  # of 989 TFLOP/s; tflops is rounded
+
+
+def test_bench_gpu_suite_runs_at_a_tiny_size_on_the_cpu(capsys, tmp_path):
+    """The suite a GPU owner runs, shrunk: both shapes, bare step and real loop; compiled runs skipped off CUDA."""
+    bench.main(["--suite", "gpu", "--tiny", "--device", "cpu", "--workdir", str(tmp_path)])
+    out = capsys.readouterr().out
+    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert "skipped" in records[0] and records[0]["compile"] is True
+    steps = [r for r in records if r.get("measure") == "step"]
+    loops = [r for r in records if r.get("measure") == "loop"]
+    assert [(r["seq"], r["compile"]) for r in steps] == [(32, False), (64, False)]
+    assert [r["mode"] for r in loops] == ["no saves", "background saves"] * 2
+    assert all(r["fraction_of_bare_step"] > 0 for r in loops)
+    saving = loops[1]
+    assert saving["saves"] == 2 and saving["blocked_s"] > 0 and saving["blocked_pct_at_default_interval"] > 0
+    assert "| 64×2, seq 32, batch 4 | eager |" in out and "python scripts/bench.py --suite gpu --tiny" in out
 
 
 # ---- scripts/inspect_checkpoint.py ------------------------------------------------------------
