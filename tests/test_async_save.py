@@ -86,7 +86,8 @@ def test_a_failing_background_write_stops_every_rank_and_keeps_the_previous_chec
 def test_sigterm_while_a_save_is_in_flight_exits_zero_with_that_save_and_the_final_one_complete(
         tmp_path, pretrain_data):
     files = history(tmp_path)
-    args = job_args(tmp_path, pretrain_data, "--save_interval", "2", "--epochs", "1")
+    # keep_last 5: the stop lands a step or two after the signal, and an interval save may come first.
+    args = job_args(tmp_path, pretrain_data, "--save_interval", "2", "--epochs", "1", "--keep_last", "5")
     job = subprocess.Popen(launch_command("train_pretrain.py", None, [*TINY_MODEL, *args]), cwd=tmp_path,
                            env=fault_env(FAULT_SAVE_DELAY_S=3.0, FAULT_STEP_DELAY_S=0.05),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

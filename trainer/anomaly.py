@@ -1,9 +1,9 @@
 """Spotting a bad step, and deciding what to do about it.
 
 `AnomalyDetector` is pure arithmetic on (step, loss, grad norm): it says *that* a step looks wrong and
-why. `AnomalyGuard` applies the --on_anomaly policy to that verdict, every step, before the optimizer
-touches the weights. All ranks see the same loss (reduced over ranks) and grad norm (of synchronized
-gradients), so they reach the same action without talking:
+why. `AnomalyGuard` applies the --on_anomaly policy to that verdict, every step. All ranks see the same
+loss (reduced over ranks) and grad norm (of synchronized gradients), so they reach the same action
+without talking:
 
     "apply"     the step is fine (or only worth a warning): take it
     "skip"      non-finite under --on_anomaly warn: drop this update, keep training
@@ -11,8 +11,14 @@ gradients), so they reach the same action without talking:
     "rollback"  --on_anomaly rollback: drop the update, reload the last good checkpoint, and step over
                 this batch window when training reaches it again
 
-A non-finite step is never applied. The guard's memory (history, rollbacks, windows to skip) is saved
-in every checkpoint, so a resume keeps it. `--debug_inject` shows the policy at work (a forward hook).
+When: the host never waits for a step's numbers before its optimizer step. `refusal` puts the guard's
+rule on the device (the limits come from the history up to the previous step, which the host has), and
+the optimizer skips a refused step there (fused AdamW's found_inf). The numbers travel to the host
+without blocking, and `verdict` reads them before the next step changes the weights: same rule, same
+limits, so it reaches the action the device already took, and says why (a disagreement is a bug and
+raises). Only a plateau is judged on the host alone: it is not refused, and it stops the run before
+anything is saved. A non-finite step is never applied. The guard's memory (history, rollbacks, windows
+to skip) is saved in every checkpoint, so a resume keeps it. `--debug_inject` shows the policy at work.
 """
 
 from __future__ import annotations
@@ -70,23 +76,31 @@ class AnomalyDetector:
         self.grad_norms.append(grad_norm)
         return self._plateau(step, loss)
 
+    def limits(self) -> tuple[float, float]:
+        """(loss limit, grad-norm limit) for the next step: rules 2 and 3 flag a value above them
+        (inf: not enough history yet). The device applies the same numbers (AnomalyGuard.refusal)."""
+        loss_limit = grad_limit = math.inf
+        if len(self.losses) >= self.min_history:
+            mean = statistics.fmean(self.losses)
+            loss_limit = mean + self.spike_factor * max(statistics.pstdev(self.losses), 0.05 * abs(mean), 1e-3)
+        if len(self.grad_norms) >= self.min_history and statistics.median(self.grad_norms) > 0:
+            grad_limit = self.grad_explosion_factor * statistics.median(self.grad_norms)
+        return loss_limit, grad_limit
+
     def _spike(self, step: int, loss: float) -> str | None:
-        if len(self.losses) < self.min_history:
-            return None
-        mean = statistics.fmean(self.losses)
-        std = max(statistics.pstdev(self.losses), 0.05 * abs(mean), 1e-3)
-        limit = mean + self.spike_factor * std
+        limit = self.limits()[0]
         if loss <= limit:
             return None
+        mean = statistics.fmean(self.losses)
         return (f"loss spike at step {step}: {loss:.4f} > {limit:.4f} = mean {mean:.4f} + "
-                f"{self.spike_factor:g} x std {std:.4f} of the last {len(self.losses)} steps")
+                f"{self.spike_factor:g} x std {(limit - mean) / self.spike_factor:.4f} of the last "
+                f"{len(self.losses)} steps")
 
     def _explosion(self, step: int, grad_norm: float) -> str | None:
-        if len(self.grad_norms) < self.min_history:
+        limit = self.limits()[1]
+        if grad_norm <= limit:
             return None
-        median = statistics.median(self.grad_norms)
-        if median <= 0 or grad_norm <= self.grad_explosion_factor * median:
-            return None
+        median = limit / self.grad_explosion_factor
         return (f"grad norm explosion at step {step}: {grad_norm:.4g} is {grad_norm / median:.1f}x the "
                 f"median {median:.4g} of the last {len(self.grad_norms)} steps "
                 f"(limit {self.grad_explosion_factor:g}x)")
@@ -154,9 +168,20 @@ class AnomalyGuard:
         self.rollbacks, self.lr_scale = 0, 1.0
         self.skip_windows: set[tuple[int, int]] = set()  # (epoch, cursor at the window's start)
 
-    def verdict(self, step: int, loss: float, grad_norm: float, gradients_finite_expected: bool) -> tuple[str, str]:
+    def verdict(self, step: int, loss: float, grad_norm: float, gradients_finite_expected: bool,
+                device_refused: bool | None = None) -> tuple[str, str]:
         """(action, reason). `gradients_finite_expected` is False under fp16 GradScaler, where an
-        inf gradient is routine (the scaler skips that step and lowers its scale by itself)."""
+        inf gradient is routine (the scaler skips that step and lowers its scale by itself).
+        `device_refused`: what `refusal` decided on the device for this step, checked against this."""
+        action, reason = self._verdict(step, loss, grad_norm, gradients_finite_expected)
+        refused = action != "apply" and not reason.startswith("plateau")  # a plateau is the host's alone
+        if device_refused is not None and device_refused != refused:
+            raise RuntimeError(f"step {step}: the device {'refused' if device_refused else 'applied'} the update, "
+                               f"but the guard says {action!r} ({reason or 'no anomaly'}); loss {loss!r}, "
+                               f"grad norm {grad_norm!r}. The two rules must agree: please report this.")
+        return action, reason
+
+    def _verdict(self, step: int, loss: float, grad_norm: float, gradients_finite_expected: bool) -> tuple[str, str]:
         if not gradients_finite_expected and math.isfinite(loss) and not math.isfinite(grad_norm):
             return "apply", ""
         reason = self.detector.check(step, loss, grad_norm)
@@ -170,6 +195,17 @@ class AnomalyGuard:
         if self.policy == "rollback" and self.rollbacks >= self.max_rollbacks:
             return "stop", f"{reason}; giving up after {self.rollbacks} rollbacks (--max_rollbacks)"
         return self.policy, reason  # "stop" or "rollback"
+
+    def refusal(self, loss: torch.Tensor, grad_norm: torch.Tensor, gradients_finite_expected: bool) -> torch.Tensor:
+        """1.0 where `verdict` will not say "apply" (a plateau aside), else 0.0: computed on the device
+        from device tensors, so the optimizer can skip the step without the host waiting for it."""
+        loss_limit, grad_limit = self.detector.limits()  # from the steps judged so far, as verdict uses
+        refuse = ~torch.isfinite(loss)
+        if gradients_finite_expected:  # under fp16 an inf gradient is the scaler's to skip
+            refuse |= ~torch.isfinite(grad_norm)
+        if self.policy != "warn":  # warn applies a spike or an explosion and only reports it
+            refuse |= (loss > loss_limit) | (torch.isfinite(grad_norm) & (grad_norm > grad_limit))
+        return refuse.float()
 
     def plan_rollback(self, epoch: int, window_start: int) -> None:
         self.rollbacks += 1

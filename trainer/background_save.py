@@ -1,9 +1,12 @@
 """Saving without stopping: copy the training state to CPU memory, write the files in a thread.
 
-A step takes milliseconds on a GPU, a checkpoint write seconds. So a save is split: the copy blocks
-training (into CPU buffers allocated once and reused, pinned on CUDA for full PCIe speed; after it,
-training may change the weights in place), the write does not (a thread runs the same function as a
-synchronous save, so the format and checkpoint_io's kill -9 guarantees are one piece of code).
+A step takes milliseconds on a GPU, a checkpoint write seconds. So a save is split: the copy (into
+CPU buffers allocated at the first save and reused, pinned on CUDA for full PCIe speed), then the
+write (a thread runs the same function as a synchronous save, so the format and checkpoint_io's
+kill -9 guarantees are one piece of code). On CUDA the copy does not stop the host either: it runs on
+a side stream from the point the loop marks with `state_ready()` (just after an optimizer step), in
+parallel with the next step's forward and backward, and the GPU makes the next optimizer step wait
+for it (an event, on the device) so no weight changes under the copy.
 At most one save is in flight: the next save and every exit path wait for it. A failed write is kept
 and re-raised by `wait()`; the loop checks `failed` at every step so all ranks stop together.
 """
@@ -27,6 +30,15 @@ class BackgroundSaver:
         self.buffers: dict[str, torch.Tensor] = {}
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        self.copy_stream = torch.cuda.Stream() if pin_memory else None  # the side stream of the copies
+        self.ready: torch.cuda.Event | None = None  # where the state to save is complete on the main stream
+        self.copied: torch.cuda.Event | None = None
+
+    def state_ready(self) -> None:
+        """Mark this point of the GPU's work (after an optimizer step) as the state a save copies."""
+        if self.copy_stream is not None:
+            self.ready = torch.cuda.Event()
+            self.ready.record()
 
     @property
     def failed(self) -> bool:
@@ -37,6 +49,7 @@ class BackgroundSaver:
         self.wait()  # at most one save in flight: its buffers are about to be reused
         copy = self.snapshot(state)
         if not self.background:
+            self._copies_landed()
             write(copy)
             return
         self.thread = threading.Thread(target=self._run, args=(write, copy), name="checkpoint-writer", daemon=True)
@@ -57,8 +70,13 @@ class BackgroundSaver:
         if error is not None:  # let the write in flight complete; the error at hand is what we report
             self.wait(raise_error=False)
 
+    def _copies_landed(self) -> None:
+        if self.copied is not None:
+            self.copied.synchronize()  # the host waits for the copies; the training stream did not
+
     def _run(self, write: Callable[[dict], None], copy: dict) -> None:
         try:
+            self._copies_landed()
             write(copy)
         except BaseException as error:  # kept for wait(); the training thread decides what happens
             self.error = error
@@ -67,13 +85,11 @@ class BackgroundSaver:
         """A copy of `state` whose tensors live in this saver's CPU buffers. Tensors that share storage
         (the tied embedding and lm_head) stay shared, so the files still hold them once."""
         copies: dict[tuple, torch.Tensor] = {}
-        saw_cuda = [False]
 
         def copy(value, path: str):
             if isinstance(value, torch.Tensor):
                 key = (value.data_ptr(), value.dtype, tuple(value.shape), value.device)
                 if key not in copies:
-                    saw_cuda[0] |= value.is_cuda
                     copies[key] = self._buffer(path, value).copy_(value.detach(), non_blocking=True)
                 return copies[key]
             if isinstance(value, dict):
@@ -82,9 +98,15 @@ class BackgroundSaver:
                 return type(value)(copy(v, f"{path}/{i}") for i, v in enumerate(value))
             return value
 
-        snapshot = copy(state, "")
-        if saw_cuda[0]:
-            torch.cuda.synchronize()  # the non-blocking copies must land before the writer reads them
+        if self.copy_stream is None:  # CPU tensors: plain copies, done when copy() returns
+            return copy(state, "")
+        main = torch.cuda.current_stream()
+        self.copy_stream.wait_event(self.ready) if self.ready is not None else self.copy_stream.wait_stream(main)
+        with torch.cuda.stream(self.copy_stream):
+            snapshot = copy(state, "")
+        self.copied = torch.cuda.Event()
+        self.copied.record(self.copy_stream)
+        main.wait_event(self.copied)  # the next optimizer step waits for the copies, on the GPU, not the host
         return snapshot
 
     def _buffer(self, path: str, like: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,9 @@ def add_operator_flags(parser: argparse.ArgumentParser) -> None:
     """Flags for running in production that a first reading can skip (both scripts share them)."""
     a = parser.add_argument
     a("--tokenizer_path", default=str(DEFAULT_TOKENIZER))
+    a("--use_wandb", action="store_true")
+    a("--use_swanlab", action="store_true")
+    a("--wandb_project", default="tiny-llm-trainer")
     a("--resume_path", default=None, help="resume from this kept checkpoint file instead of the newest")
     a("--keep_last", type=int, default=2, help="verified checkpoints to keep")
     a("--async_save", type=int, default=1, choices=(0, 1),
@@ -37,5 +40,8 @@ def add_operator_flags(parser: argparse.ArgumentParser) -> None:
     a("--patience", type=int, default=0, help="steps without loss improvement that count as a plateau (0: off)")
     a("--max_rollbacks", type=int, default=3)
     a("--rollback_lr_factor", type=float, default=1.0, help="multiply the LR by this after each rollback")
+    a("--judge_before_step", type=int, default=0, choices=(0, 1),
+      help="1: wait for each step's numbers and judge it before its optimizer step (the reference timing that "
+           "the deferred verdict is tested against; one host sync per step)")
     a("--debug_inject", default=None,
       help="try the anomaly policy on purpose: nan:K or spike:K makes step K's loss NaN or 1e4x (comma-separated)")

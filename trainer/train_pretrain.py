@@ -15,7 +15,6 @@ calls (the sampler, the LR, lm_checkpoint). train_full_sft.py is this file with 
 """
 
 import argparse
-import math
 import sys
 import time
 from contextlib import nullcontext
@@ -37,12 +36,14 @@ from trainer.background_save import BackgroundSaver, finish_saves
 from trainer.operator_flags import add_operator_flags
 from trainer.resume_checks import data_fingerprint, resume_settings
 from trainer.run_lock import claim_run_directories
+from trainer.step_numbers import StepNumbers, step_unless_refused
 from trainer.stopping import StopRequest, continue_command
 from trainer.tracking import Tracker, flops_per_token, validation_loss
-from trainer.trainer_utils import (REPO_ROOT, IndexedDataset, SkipBatchSampler, cleanup_distributed, epoch_order,
-                                   get_lr, given_sizes, init_distributed, init_model, lm_checkpoint, model_config,
-                                   rank0_logger, resolve_accumulation, restore_training_state, run_name,
-                                   run_script, setup_seed, step_in_epoch, step_numbers, steps_left, unwrap)
+from trainer.trainer_utils import (REPO_ROOT, IndexedDataset, SkipBatchSampler, capture_rng_state,
+                                   cleanup_distributed, epoch_order, get_lr, given_sizes, init_distributed, init_model,
+                                   lm_checkpoint, model_config, rank0_logger, resolve_accumulation,
+                                   restore_training_state, run_name, run_script, setup_seed, step_in_epoch, steps_left,
+                                   unwrap)
 
 
 def parse_args() -> argparse.Namespace:
@@ -76,11 +77,8 @@ def parse_args() -> argparse.Namespace:
     a("--save_interval", type=int, default=100, help="optimizer steps between checkpoints")
     a("--max_steps", type=int, default=None, help="stop (and save) after this many steps of this invocation")
     a("--seed", type=int, default=42)
-    a("--use_compile", type=int, default=0, choices=(0, 1))
-    a("--use_wandb", action="store_true")
-    a("--use_swanlab", action="store_true")
-    a("--wandb_project", default="tiny-llm-trainer")
-    add_operator_flags(parser)  # kept checkpoints, background saves, metrics files, validation, anomaly policy
+    a("--use_compile", type=int, default=None, choices=(0, 1), help="torch.compile (default: 1 on CUDA, 0 on CPU)")
+    add_operator_flags(parser)  # trackers, kept checkpoints, background saves, metrics files, validation, anomaly policy
     return parser.parse_args()
 
 
@@ -119,7 +117,8 @@ def main() -> None:
     model, lm_config = init_model(args, lm_config, log, resume_state=state)  # weights: section 5, --from_weight
     model.to(device)  # FP32 master weights; bf16 (or fp16 + GradScaler) autocast on CUDA, fp32 on CPU
     use_cuda = device.type == "cuda"
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.01, fused=use_cuda)
+    # fused: one kernel for all parameters, and it can skip a refused step on the device (step_numbers.py)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.01, fused=True)
     dtype = getattr(torch, args.dtype)
     autocast = torch.autocast("cuda", dtype=dtype) if use_cuda and dtype != torch.float32 else nullcontext()
     scaler = torch.amp.GradScaler("cuda", enabled=use_cuda and dtype == torch.float16)
@@ -143,6 +142,9 @@ def main() -> None:
         f"{accumulation} accumulation; {total_steps() - global_step} steps")
 
     # ---- 6. Compile and DDP (after loading, so state_dict keys carry no wrapper prefixes); outputs --
+    if args.use_compile is None:  # where it pays: 2.5x on an H100; on a CPU compiling costs more than it saves
+        args.use_compile = int(use_cuda)
+        log(f"torch.compile {'on' if use_cuda else 'off'} by default on {device.type} (--use_compile 0/1 to choose)")
     if args.use_compile:
         model = torch.compile(model)
     if world_size > 1:
@@ -155,7 +157,73 @@ def main() -> None:
     saver = BackgroundSaver(background=bool(args.async_save), pin_memory=use_cuda)  # only rank 0 writes
     stop = StopRequest()  # SIGTERM / Ctrl-C: finish the step, save, exit 0
 
+    def judge(p: dict) -> None:  # the guard's verdict on step p, from its numbers (read here, once)
+        p["numbers"] = numbers = p["pending"].read()  # waits only if the device is not there yet
+        if numbers["save_failed"]:
+            finish_saves(saver)  # raises on every rank, rank 0 with the writer's error
+        if p["action"] is None:  # (a window stepped over after a rollback has its verdict already)
+            p["action"], p["reason"] = guard.verdict(p["step"], numbers["loss"], numbers["grad_norm"],
+                                                     gradients_finite_expected=not scaler.is_enabled(),
+                                                     device_refused=None if args.judge_before_step else numbers["refused"])
+            if p["reason"]:
+                log(f"anomaly: {p['reason']} (--on_anomaly {args.on_anomaly}: {p['action']})")
+                tracker.anomaly(p["step"], p["reason"])
+
+    def finish(p: dict, rng: dict) -> str | None:  # after step p: trace, logs, validation, save. Or a rollback.
+        nonlocal epoch, samples_consumed, global_step
+        if "numbers" not in p:
+            judge(p)
+        numbers, action, reason = p["numbers"], p["action"], p["reason"]
+        if action == "stop":
+            raise AnomalyStop(f"{reason}. The newest checkpoint in {args.checkpoint_dir} is from before it.")
+        if action == "rollback":  # back to the newest checkpoint; this window is stepped over next time
+            finish_saves(saver)  # the newest checkpoint must be complete before we look for it
+            state = newest_checkpoint()
+            if state is None:
+                raise AnomalyStop(f"{reason}; no checkpoint to roll back to yet (lower --save_interval)")
+            guard.plan_rollback(p["epoch"], p["start"])
+            log(f"rollback {guard.rollbacks}/{guard.max_rollbacks}: back to step {state['global_step']}; the window "
+                f"at sample {p['start']} of epoch {p['epoch'] + 1} will be stepped over; lr scale now {guard.lr_scale:g}")
+            restore_training_state(state, model, optimizer, scaler, rank, world_size)
+            epoch, samples_consumed, global_step = state["epoch"], state["samples_consumed"], state["global_step"]
+            tracker.rollback(global_step, total_steps())
+            return "rollback"  # the while loop starts the restored epoch at the restored position
+        local_loss = numbers["local_loss_sum"] / max(numbers["local_tokens"], 1)
+        record = {"step": p["step"], "epoch": p["epoch"], "rank": rank, "world_size": world_size,
+                  "samples": p["samples"] if action == "apply" else [], "loss": local_loss,
+                  "loss_sum": numbers["local_loss_sum"], "local_tokens": numbers["local_tokens"],
+                  "global_loss": numbers["loss"], "grad_norm": numbers["grad_norm"], "lr": p["lr"]}
+        if action != "apply":
+            record.update(skipped=True, skipped_samples=p["samples"], anomaly=reason)
+        tracker.step(record, numbers["input_tokens"])
+        at_epoch, at_sample, at_step = p["after"]  # the position after step p (the loop may be one step ahead)
+        epoch_done = at_sample == 0
+        if at_step % args.log_interval == 0 or epoch_done:
+            tracker.log({"epoch": p["epoch"], "samples_consumed": at_sample, "loss": numbers["loss"], "lr": p["lr"],
+                         "grad_norm": numbers["grad_norm"]}, at_step, total_steps())
+        if val_ds is not None and (at_step % args.eval_interval == 0 or at_epoch == args.epochs):
+            tracker.validation(at_step, validation_loss(unwrap(model), val_ds, args.batch_size, device, autocast))
+        stopping = numbers["stop"] or p["last"]
+        if stopping or epoch_done or at_step % args.save_interval == 0:
+            started = time.perf_counter()
+            kept = lm_checkpoint(lm_config, args.save_weight, model, optimizer, at_epoch,
+                                 step_in_epoch(n, at_sample, global_batch), tracker.runs.get("wandb"),
+                                 args.save_dir, args.checkpoint_dir, samples_consumed=at_sample,
+                                 global_step=at_step, scaler=scaler, lr=p["lr"], train_args=settings,
+                                 data_fingerprint=fingerprint, anomaly_state=guard.state_dict(), rng_state=rng,
+                                 keep_last=args.keep_last, swanlab=tracker.runs.get("swanlab"), saver=saver)
+            tracker.saved(at_step, kept, time.perf_counter() - started)  # only the time it blocked training
+            if args.save_hf and dist_info.is_main:
+                hf_dir = Path(args.save_dir) / f"{run_name(args.save_weight, lm_config)}_hf"
+                export_hf(unwrap(model).state_dict(), lm_config, hf_dir, args.tokenizer_path)
+        if stopping:
+            epoch, samples_consumed, global_step = p["after"]  # a step launched after p is dropped
+            return "stop"
+        return None
+
     # ---- 7. Train, epoch by epoch, from the resumed position ------------------------------------
+    # The host runs one step ahead of its verdicts: step N is judged while the device computes step
+    # N+1, before N+1 may change the weights (trainer/step_numbers.py says why and how).
     status, steps_this_run = "completed", 0
     with tracker, saver:  # on an error: the save in flight completes and the status file says "failed"
         while epoch < args.epochs and status == "completed":
@@ -166,19 +234,23 @@ def main() -> None:
             batches = iter(DataLoader(IndexedDataset(train_ds), batch_sampler=sampler, num_workers=args.num_workers,
                                       pin_memory=use_cuda,
                                       generator=torch.Generator().manual_seed(args.seed * 1_000_003 + epoch)))
+            previous, outcome = None, None  # previous: the step whose verdict is still on its way
             for s in range(sampler.num_steps()):
+                rng = capture_rng_state()  # as it is after the previous step: a save of that step stores it
                 # ---- one optimizer step: the next global batch, split over ranks and micro-steps ----
                 window = len(sampler.step_window(s))
                 micro_batches = [next(batches) for _ in range(sampler.micro_steps_per_step(s))]
+                current = {"step": global_step + 1, "epoch": epoch, "start": samples_consumed, "action": None,
+                           "samples": [int(i) for indices, _, _ in micro_batches for i in indices if i >= 0]}
                 if guard.should_skip(epoch, samples_consumed):  # it went wrong before a rollback: step over it
                     log(f"stepping over the window at sample {samples_consumed} of epoch {epoch + 1}: it caused an anomaly")
-                    lr, action, reason = 0.0, "skip", "stepped over: this window caused an anomaly before a rollback"
-                    numbers = {"loss": math.nan, "grad_norm": math.nan, "local_loss_sum": math.nan,
-                               "local_tokens": 0, "input_tokens": 0, "stop": stop.signal is not None}
+                    current.update(lr=0.0, action="skip", reason="stepped over: this window caused an anomaly before a rollback",
+                                   pending=StepNumbers.nothing_trained(device, current["step"], stop=stop.signal is not None,
+                                                                       save_failed=saver.failed))
                 else:
                     # The LR at the position this step reaches, so the first step already trains.
                     progress = (epoch * n + samples_consumed + window) / (args.epochs * n)
-                    lr = get_lr(progress, args.learning_rate, args.warmup_ratio) * guard.lr_scale
+                    current["lr"] = lr = get_lr(progress, args.learning_rate, args.warmup_ratio) * guard.lr_scale
                     for group in optimizer.param_groups:
                         group["lr"] = lr
                     on_device = [(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
@@ -202,77 +274,40 @@ def main() -> None:
                         loss_sum += out.loss.detach().double()
                     scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
                     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-                    # The step's one host sync: loss, grad norm, and whether any rank must stop.
-                    numbers = step_numbers(loss_sum, global_tokens, local_tokens, grad_norm,
-                                           input_tokens=sum(x.numel() for x, _ in on_device),
-                                           stop=stop.signal is not None, save_failed=saver.failed)
-                    if numbers["save_failed"]:
-                        finish_saves(saver)  # raises on every rank, rank 0 with the writer's error
-                    # The guard judges the step before the optimizer may touch the weights.
-                    action, reason = guard.verdict(global_step + 1, numbers["loss"], numbers["grad_norm"],
-                                                   gradients_finite_expected=not scaler.is_enabled())
-                    if action == "apply":
-                        scaler.step(optimizer)
-                    scaler.update()
-                    optimizer.zero_grad(set_to_none=True)
-                    if reason:
-                        log(f"anomaly: {reason} (--on_anomaly {args.on_anomaly}: {action})")
-                        tracker.anomaly(global_step + 1, reason)
-                if action == "stop":
-                    raise AnomalyStop(f"{reason}. The newest checkpoint in {args.checkpoint_dir} is from before it.")
-                if action == "rollback":  # back to the newest checkpoint; this window is stepped over next time
-                    finish_saves(saver)  # the newest checkpoint must be complete before we look for it
-                    state = newest_checkpoint()
-                    if state is None:
-                        raise AnomalyStop(f"{reason}; no checkpoint to roll back to yet (lower --save_interval)")
-                    guard.plan_rollback(epoch, samples_consumed)
-                    log(f"rollback {guard.rollbacks}/{guard.max_rollbacks}: back to step {state['global_step']}; the "
-                        f"window at sample {samples_consumed} of epoch {epoch + 1} will be stepped over; lr scale now "
-                        f"{guard.lr_scale:g}")
-                    restore_training_state(state, model, optimizer, scaler, rank, world_size)
-                    epoch, samples_consumed = state["epoch"], state["samples_consumed"]
-                    global_step = state["global_step"]
-                    tracker.rollback(global_step, total_steps())
-                    break  # the while loop starts the restored epoch at the restored position
-
-                # ---- after the step: the trace, the position, logs, validation, the save ----
-                trained = [int(i) for indices, _, _ in micro_batches for i in indices if i >= 0]
-                local_loss = numbers["local_loss_sum"] / max(numbers["local_tokens"], 1)
-                record = {"step": global_step + 1, "epoch": epoch, "rank": rank, "world_size": world_size,
-                          "samples": trained if action == "apply" else [], "loss": local_loss,
-                          "loss_sum": numbers["local_loss_sum"], "local_tokens": numbers["local_tokens"],
-                          "global_loss": numbers["loss"], "grad_norm": numbers["grad_norm"], "lr": lr}
-                if action != "apply":
-                    record.update(skipped=True, skipped_samples=trained, anomaly=reason)
-                tracker.step(record, numbers["input_tokens"])
-                samples_consumed, global_step = samples_consumed + window, global_step + 1
-                steps_this_run += 1
-                epoch_done = samples_consumed == n
-                if epoch_done:
-                    epoch, samples_consumed = epoch + 1, 0
-                if global_step % args.log_interval == 0 or epoch_done:
-                    tracker.log({"epoch": record["epoch"], "samples_consumed": samples_consumed,
-                                 "loss": numbers["loss"], "lr": lr, "grad_norm": numbers["grad_norm"]},
-                                global_step, total_steps())
-                if val_ds is not None and (global_step % args.eval_interval == 0 or epoch == args.epochs):
-                    tracker.validation(global_step, validation_loss(unwrap(model), val_ds, args.batch_size, device,
-                                                                    autocast))
-                stopping = numbers["stop"] or (args.max_steps is not None and steps_this_run >= args.max_steps)
-                if stopping or epoch_done or global_step % args.save_interval == 0:
-                    started = time.perf_counter()
-                    kept = lm_checkpoint(lm_config, args.save_weight, model, optimizer, epoch,
-                                         step_in_epoch(n, samples_consumed, global_batch), tracker.runs.get("wandb"),
-                                         args.save_dir, args.checkpoint_dir, samples_consumed=samples_consumed,
-                                         global_step=global_step, scaler=scaler, lr=lr, train_args=settings,
-                                         data_fingerprint=fingerprint, anomaly_state=guard.state_dict(),
-                                         keep_last=args.keep_last, swanlab=tracker.runs.get("swanlab"), saver=saver)
-                    tracker.saved(global_step, kept, time.perf_counter() - started)  # only the time it blocked training
-                    if args.save_hf and dist_info.is_main:
-                        hf_dir = Path(args.save_dir) / f"{run_name(args.save_weight, lm_config)}_hf"
-                        export_hf(unwrap(model).state_dict(), lm_config, hf_dir, args.tokenizer_path)
-                if stopping:
-                    status = "stopped"
+                    # Loss, grad norm and whether any rank must stop: reduced, and sent to the host unread.
+                    current["pending"] = StepNumbers(loss_sum, global_tokens, local_tokens, grad_norm, step=current["step"],
+                                                     input_tokens=sum(x.numel() for x, _ in on_device),
+                                                     stop=stop.signal is not None, save_failed=saver.failed)
+                # ---- the previous step's verdict and the rest of it, while the device computes this one ----
+                if previous is not None and (outcome := finish(previous, rng)):
+                    optimizer.zero_grad(set_to_none=True)  # this step is dropped: a rollback or a stop came first
+                    previous = None
                     break
+                if current["action"] is None:  # the optimizer step, unless the guard's rule refuses it
+                    pending = current["pending"]
+                    if args.judge_before_step:  # the reference timing: the host waits for the numbers and judges
+                        judge(current)
+                        refusal = torch.tensor(float(current["action"] != "apply"), device=device)
+                    else:  # the same rule on the device, with the limits of the steps judged so far
+                        refusal = guard.refusal(pending.loss, pending.grad_norm, not scaler.is_enabled())
+                    pending.send(refusal)
+                    step_unless_refused(optimizer, scaler, refusal)  # AdamW, or nothing where refusal is 1
+                    optimizer.zero_grad(set_to_none=True)
+                    saver.state_ready()  # a save copies the state from here, while the next step computes
+                else:
+                    current["pending"].send()
+                samples_consumed, global_step, steps_this_run = samples_consumed + window, global_step + 1, steps_this_run + 1
+                if samples_consumed == n:
+                    epoch, samples_consumed = epoch + 1, 0
+                current.update(after=(epoch, samples_consumed, global_step),
+                               last=args.max_steps is not None and steps_this_run >= args.max_steps)
+                previous = current
+                if current["last"]:
+                    break
+            if previous is not None:  # the epoch's (or this run's) last step: judged before anything goes on
+                outcome = finish(previous, capture_rng_state())
+            if outcome == "stop":
+                status = "stopped"
         finish_saves(saver)  # the last save is on disk before the run reports its end
         tracker.finish(status)
 

@@ -301,21 +301,6 @@ def run_name(weight: str, lm_config: LMConfig) -> str:
     return f"{weight}_{lm_config.hidden_size}{'_moe' if lm_config.use_moe else ''}"
 
 
-def step_numbers(loss_sum: torch.Tensor, global_tokens: torch.Tensor, local_tokens: torch.Tensor,
-                 grad_norm: torch.Tensor, *, input_tokens: int, stop: bool, save_failed: bool) -> dict:
-    """One optimizer step's numbers on the host: one small all-reduce, then one device sync (`.tolist()`)."""
-    flags = torch.tensor([float(stop), float(input_tokens), float(save_failed)], dtype=torch.float64)
-    shared = torch.cat([loss_sum.view(1), flags.to(loss_sum.device, non_blocking=True)])  # a copy: loss_sum stays local
-    if dist.is_initialized():
-        dist.all_reduce(shared)
-    loss_total, any_stop, tokens, any_failed, total_tokens, local_loss, local_count, norm = torch.cat(
-        [shared, global_tokens.view(1), loss_sum.view(1), local_tokens.view(1), grad_norm.detach().double().view(1)]
-    ).tolist()
-    return {"loss": loss_total / max(total_tokens, 1.0), "grad_norm": norm, "stop": any_stop > 0,
-            "save_failed": any_failed > 0, "input_tokens": int(tokens), "local_loss_sum": local_loss,
-            "local_tokens": int(local_count)}
-
-
 # ---- 5. checkpoints ----------------------------------------------------------------------------
 #
 # Two files per save. `out/{run}.pth`: FP16 weights only, for inference and the next stage.
@@ -357,24 +342,25 @@ def lm_checkpoint(lm_config: LMConfig, weight: str = "full_sft", model=None, opt
                   step: int = 0, wandb=None, save_dir: str = "out", checkpoint_dir: str = "checkpoints", *,
                   samples_consumed: int = 0, global_step: int = 0, scaler=None, lr: float = 0.0,
                   train_args: dict | None = None, data_fingerprint: dict | None = None,
-                  anomaly_state: dict | None = None, keep_last: int = 2, swanlab=None,
+                  anomaly_state: dict | None = None, rng_state: dict | None = None, keep_last: int = 2, swanlab=None,
                   saver: BackgroundSaver | None = None, resume_path: str | None = None,
                   num_samples: int | None = None, global_batch: int | None = None, given_sizes: dict | None = None,
                   log=print) -> dict | Path | None:
     """Save a checkpoint (when `model` is given; returns the kept file it writes) or load the newest good one.
 
     The positional parameters are minimind's; the keywords after `*` are what exact resume adds.
-    Saving runs on every rank (it gathers each rank's RNG state); rank 0 writes, through `saver`.
+    Saving runs on every rank (it gathers each rank's RNG state: `rng_state`, as captured right after
+    the step being saved, or else now); rank 0 writes, through `saver`.
     Loading returns the newest checkpoint that verifies (or `resume_path`'s), checked against this
     run's `lm_config` (or, with `given_sizes`, only the sizes the flags give), `data_fingerprint` and
     `train_args`, its step label for `global_batch`; None if the run has none.
     """
     files = checkpoint_io.RunFiles(Path(checkpoint_dir), run_name(weight, lm_config))
     if model is not None:  # Save
-        rng_states = [capture_rng_state()]
+        rng_states = [rng_state or capture_rng_state()]
         if dist.is_initialized():
             rng_states = [None] * dist.get_world_size()
-            dist.all_gather_object(rng_states, capture_rng_state())
+            dist.all_gather_object(rng_states, rng_state or capture_rng_state())
         error = None
         if not dist.is_initialized() or dist.get_rank() == 0:
             # What a `_resume.pth` holds: everything the next optimizer step depends on.

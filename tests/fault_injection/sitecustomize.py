@@ -3,7 +3,7 @@
 The library has no test hooks: a test (or scripts/soak_kill.py) puts this directory on the child's
 PYTHONPATH, and Python imports `sitecustomize` at start-up. With the variables unset it does nothing.
 
-    FAULT_STEP_DELAY_S  sleep in each optimizer step, after its numbers reach the host (`trainer_utils.step_numbers`)
+    FAULT_STEP_DELAY_S  sleep in each optimizer step, after its numbers reach the host (`StepNumbers.read`)
     FAULT_SAVE_DELAY_S  sleep at each stage of a checkpoint save: before the bytes of a file are
                         written (a kill leaves an empty temp file), before a manifest or pointer is
                         written (a history file without manifest), before the written file is checked (no link yet)
@@ -43,8 +43,8 @@ def sleep_after(function, seconds: float):
     return slowed
 
 
-def patch_trainer_utils(module) -> None:
-    module.step_numbers = sleep_after(module.step_numbers, STEP_DELAY)
+def patch_step_numbers(module) -> None:
+    module.StepNumbers.read = sleep_after(module.StepNumbers.read, STEP_DELAY)
 
 
 def patch_checkpoint_io(module) -> None:
@@ -69,7 +69,7 @@ def patch_checkpoint_io(module) -> None:
 
 PATCHES = {}
 if STEP_DELAY > 0:
-    PATCHES["trainer.trainer_utils"] = patch_trainer_utils
+    PATCHES["trainer.step_numbers"] = patch_step_numbers
 if SAVE_DELAY > 0 or DISK_FULL_AT_STEP:
     PATCHES["trainer.checkpoint_io"] = patch_checkpoint_io
 
