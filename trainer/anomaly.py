@@ -152,6 +152,7 @@ def install_debug_injection(model: torch.nn.Module, spec: str | None, current_st
     if not injections:
         return
 
+    @torch.compiler.disable  # runs as plain Python under torch.compile: the step number is no graph constant
     def inject(module, inputs, output):
         kind = injections.pop(current_step(), None) if output.loss is not None and module.training else None
         return output if kind is None else output._replace(loss=output.loss * (math.nan if kind == "nan" else 1e4))

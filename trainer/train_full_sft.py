@@ -178,7 +178,7 @@ def main() -> None:
                 tracker.anomaly(p["step"], p["reason"])
 
     def finish(p: dict, rng: dict) -> str | None:  # after step p: trace, logs, validation, save. Or a rollback.
-        nonlocal epoch, samples_consumed, global_step
+        nonlocal epoch, samples_consumed, global_step, steps_this_run
         if "numbers" not in p:
             judge(p)
         numbers, action, reason = p["numbers"], p["action"], p["reason"]
@@ -194,6 +194,7 @@ def main() -> None:
                 f"at sample {p['start']} of epoch {p['epoch'] + 1} will be stepped over; lr scale now {guard.lr_scale:g}")
             restore_training_state(state, model, optimizer, scaler, rank, world_size)
             epoch, samples_consumed, global_step = state["epoch"], state["samples_consumed"], state["global_step"]
+            steps_this_run -= 1  # a step rolled back does not count towards --max_steps
             tracker.rollback(global_step, total_steps())
             return "rollback"  # the while loop starts the restored epoch at the restored position
         local_loss = numbers["local_loss_sum"] / max(numbers["local_tokens"], 1)
