@@ -40,6 +40,9 @@ def add_operator_flags(parser: argparse.ArgumentParser) -> None:
     a("--patience", type=int, default=0, help="steps without loss improvement that count as a plateau (0: off)")
     a("--max_rollbacks", type=int, default=3)
     a("--rollback_lr_factor", type=float, default=1.0, help="multiply the LR by this after each rollback")
+    a("--compile_backend", default="inductor",
+      help="torch.compile's backend with --use_compile 1; aot_eager traces the same graphs without generating "
+           "kernels (to tell a compiler fault from a model fault; the tests use it for speed)")
     a("--judge_before_step", type=int, default=0, choices=(0, 1),
       help="1: wait for each step's numbers and judge it before its optimizer step (the reference timing that "
            "the deferred verdict is tested against; one host sync per step)")

@@ -154,7 +154,7 @@ def main() -> None:
         args.use_compile = int(use_cuda)
         log(f"torch.compile {'on' if use_cuda else 'off'} by default on {device.type} (--use_compile 0/1 to choose)")
     if args.use_compile:
-        model = torch.compile(model)
+        model = torch.compile(model, backend=args.compile_backend)
     if world_size > 1:
         model = DistributedDataParallel(model, device_ids=[dist_info.local_rank] if use_cuda else None)
     tracker = Tracker(args, args.run_name or run_name(args.save_weight, lm_config), dist_info.is_main, device,
