@@ -13,6 +13,9 @@ aligned with the inputs (the model shifts them by one internally) and are -100
 wherever no loss should be taken: padding, and for SFT everything that is not an
 assistant answer.
 
+PackedPretrainDataset (``--pack 1``) joins the texts into one stream and cuts it into full
+windows instead: no padding, every position carries loss.
+
 Files are indexed by byte offset and parsed lazily, so memory does not grow with the
 amount of text; every line is still checked once up front, so a broken line stops a
 run before training starts rather than hours into it.
@@ -23,12 +26,13 @@ from __future__ import annotations
 import os
 import random
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer
 from torch.utils.data import Dataset
 
 from dataset.chat_format import ChatEncoder, parse_conversation, render_segments
-from dataset.jsonl_file import JsonlFile
+from dataset.jsonl_file import DataFileError, JsonlFile
 
 from model.tokenizer import BOS_ID, EOS_ID, PAD_ID, text_only_copy
 
@@ -88,6 +92,62 @@ class PretrainDataset(Dataset):
         text = self.source.read(i)["text"]
         ids = [BOS_ID] + self.tokenizer.encode(text).ids + [EOS_ID]
         return _pad(ids, list(ids), self.max_seq_len)
+
+
+class PackedPretrainDataset(Dataset):
+    """Plain text packed: ``[BOS] doc0 [EOS] [BOS] doc1 [EOS] ...`` cut into full ``max_seq_len`` windows.
+
+    Sample ``i`` is positions ``[i * max_seq_len, (i + 1) * max_seq_len)`` of that stream, with
+    labels equal to the inputs everywhere: no padding, so every position carries loss (the model
+    also learns that [BOS] follows [EOS]). A window may start or end inside a document, and
+    attention is not masked at document boundaries, as in GPT-2/nanoGPT-style packing. The tail
+    of the stream that does not fill a window is dropped (fewer than ``max_seq_len`` tokens).
+
+    Construction tokenizes every record once and keeps only ``starts``, where each document
+    begins in the stream: one int64 per record (8 bytes; the JsonlFile index adds 16), not the
+    tokens. ``__getitem__`` re-tokenizes just the documents that overlap window ``i``. The
+    windows therefore depend only on the file, the tokenizer and ``max_seq_len``; ``len()`` is
+    the number of windows, so the sampler, the data cursor and resume work as for the unpacked
+    dataset. Every rank makes this pass itself (the ranks run it in parallel; they agree because
+    tokenizing is deterministic).
+    """
+
+    ENCODE_BATCH = 1024  # records tokenized together in the up-front pass (encode_batch runs them in parallel)
+
+    def __init__(self, data_path: str | os.PathLike, tokenizer: Tokenizer, max_seq_len: int):
+        self.source = JsonlFile.shared(data_path, validate=_check_pretrain_record)
+        self.tokenizer = text_only_copy(tokenizer)
+        self.max_seq_len = max_seq_len
+        lengths = np.empty(len(self.source), dtype=np.int64)  # tokens per document, BOS and EOS included
+        for first in range(0, len(self.source), self.ENCODE_BATCH):
+            texts = [self.source.read(k)["text"] for k in range(first, min(first + self.ENCODE_BATCH, len(self.source)))]
+            lengths[first:first + len(texts)] = [len(e.ids) + 2 for e in self.tokenizer.encode_batch(texts)]
+        self.starts = np.concatenate(([0], np.cumsum(lengths)))  # document k is stream[starts[k]:starts[k + 1]]
+        self.total_tokens = int(self.starts[-1])
+        self.num_windows = self.total_tokens // max_seq_len
+        if self.num_windows == 0:
+            raise DataFileError(f"{self.source.path}: --pack 1 needs at least --max_seq_len {max_seq_len} tokens "
+                                f"for one window, and the file's {len(self.source)} records make {self.total_tokens}. "
+                                f"Add text, lower --max_seq_len, or train with --pack 0.")
+
+    def __len__(self) -> int:
+        return self.num_windows
+
+    def document(self, k: int) -> list[int]:
+        """Document ``k`` as it appears in the stream: ``[BOS] + tokens + [EOS]``."""
+        return [BOS_ID] + self.tokenizer.encode(self.source.read(k)["text"]).ids + [EOS_ID]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= i < self.num_windows:
+            raise IndexError(f"window {i} of {self.num_windows}")
+        begin, end = i * self.max_seq_len, (i + 1) * self.max_seq_len
+        # The documents overlapping [begin, end): the one holding `begin` up to the one holding `end - 1`.
+        first = int(np.searchsorted(self.starts, begin, side="right")) - 1
+        last = int(np.searchsorted(self.starts, end - 1, side="right")) - 1
+        ids = [token for k in range(first, last + 1) for token in self.document(k)]
+        offset = begin - int(self.starts[first])
+        window = torch.tensor(ids[offset:offset + self.max_seq_len], dtype=torch.long)
+        return window, window.clone()
 
 
 class SFTDataset(Dataset):

@@ -12,8 +12,11 @@ import hashlib
 
 # Settings that decide which samples form a step or the LR curve: refused when they differ on resume
 # (world size may change; batch geometry is checked separately).
-FIXED_TRAINING_ARGS = ("epochs", "seed", "max_seq_len", "learning_rate", "warmup_ratio", "grad_clip",
-                       "system_prompt_ratio", "drop_empty_think_ratio")  # the last two: SFT only
+FIXED_TRAINING_ARGS = ("epochs", "seed", "max_seq_len", "pack", "learning_rate", "warmup_ratio", "grad_clip",
+                       "system_prompt_ratio", "drop_empty_think_ratio")  # pack: pretraining only; the last two: SFT only
+# The value of a setting a run without its flag trains with: SFT and checkpoints written before
+# --pack existed have no "pack", and they trained unpacked.
+SETTING_DEFAULTS = {"pack": 0}
 
 
 class ConfigError(ValueError):
@@ -28,7 +31,7 @@ def resume_settings(args, accumulation: int, world_size: int) -> dict:
     """The settings a checkpoint records and a resume compares (`train_args` in `_resume.pth`)."""
     return {"batch_size": args.batch_size, "accumulation_steps": accumulation,
             "global_batch_size": args.global_batch_size, "world_size": world_size,
-            **{k: getattr(args, k, None) for k in FIXED_TRAINING_ARGS}}
+            **{k: getattr(args, k, SETTING_DEFAULTS.get(k)) for k in FIXED_TRAINING_ARGS}}
 
 
 def plain(value):
@@ -73,7 +76,8 @@ def check_resume_compatible(saved: dict, lm_config: dict, fingerprint: dict, tra
                      "size, record count and 64 evenly spaced records were compared; an edit of the same length "
                      "elsewhere would go unnoticed")
     old = saved["train_args"]
-    problems += _diff("args", old, train_args, FIXED_TRAINING_ARGS)
+    # A setting missing on either side (an older checkpoint, a caller without the flag) had its default.
+    problems += _diff("args", {**SETTING_DEFAULTS, **old}, {**SETTING_DEFAULTS, **train_args}, FIXED_TRAINING_ARGS)
     if old["global_batch_size"] is not None or train_args["global_batch_size"] is not None:
         # A fixed global batch makes every step the same set of samples, whatever the split.
         problems += _diff("args", old, train_args, ("global_batch_size",))

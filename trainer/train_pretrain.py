@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from dataset.lm_dataset import PretrainDataset  # stage
+from dataset.lm_dataset import PackedPretrainDataset, PretrainDataset  # stage
 from model.hf import export_hf
 from model.tokenizer import load_tokenizer
 from trainer.anomaly import AnomalyGuard, AnomalyStop, install_debug_injection
@@ -63,6 +63,7 @@ def parse_args() -> argparse.Namespace:
     a("--learning_rate", type=float, default=5e-4)  # stage
     a("--warmup_ratio", type=float, default=0.01)
     a("--max_seq_len", type=int, default=340)
+    a("--pack", type=int, default=0, choices=(0, 1), help="1: join texts into full max_seq_len windows, no padding")  # stage
     a("--hidden_size", type=int, default=512)
     a("--num_hidden_layers", type=int, default=8)
     a("--num_attention_heads", type=int, default=8)
@@ -94,8 +95,9 @@ def main() -> None:
 
     # ---- 3. Data and batch geometry: the files are indexed and checked before any training ------
     tokenizer = load_tokenizer(args.tokenizer_path)
-    train_ds = PretrainDataset(args.data_path, tokenizer, args.max_seq_len)  # stage
-    val_ds = PretrainDataset(args.val_data, tokenizer, args.max_seq_len) if args.val_data else None  # stage
+    text_dataset = PackedPretrainDataset if args.pack else PretrainDataset  # stage: --pack 1 fills every position
+    train_ds = text_dataset(args.data_path, tokenizer, args.max_seq_len)  # stage
+    val_ds = text_dataset(args.val_data, tokenizer, args.max_seq_len) if args.val_data else None  # stage
     n = len(train_ds)
     accumulation, global_batch = resolve_accumulation(args.batch_size, world_size, args.accumulation_steps,
                                                       args.global_batch_size)

@@ -1,0 +1,136 @@
+"""Packed pretraining (`--pack 1`): texts joined as [BOS] doc [EOS] [BOS] doc [EOS] ... and cut into full
+max_seq_len windows, each window one sample, so the sampler, the cursor and exact resume work unchanged."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import (REPO, assert_states_equal, events_of, history_file, resume_file, run_args, slice_jsonl,
+                      trace_of, train)
+from dataset.jsonl_file import DataFileError
+from dataset.lm_dataset import IGNORE_INDEX, PackedPretrainDataset
+from model.tokenizer import BOS_ID, EOS_ID, load_tokenizer, text_only_copy
+from trainer.resume_checks import ResumeMismatch, check_resume_compatible, resume_settings
+
+SEQ = 48  # TINY_MODEL's --max_seq_len
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(REPO / "model" / "tokenizer.json")
+
+
+def naive_stream(path: Path, tokenizer) -> list[int]:
+    """The reference: every record tokenized on its own, wrapped in BOS/EOS, all joined in file order."""
+    encoder = text_only_copy(tokenizer)
+    stream = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            stream += [BOS_ID] + encoder.encode(json.loads(line)["text"]).ids + [EOS_ID]
+    return stream
+
+
+def test_windows_are_the_joined_documents_cut_into_max_seq_len_pieces(tmp_path, pretrain_data, tokenizer):
+    stream = naive_stream(pretrain_data, tokenizer)
+    dataset = PackedPretrainDataset(pretrain_data, tokenizer, SEQ)
+    assert len(dataset) == len(stream) // SEQ and dataset.total_tokens == len(stream)
+    for i in range(len(dataset)):
+        input_ids, labels = dataset[i]
+        assert input_ids.shape == labels.shape == (SEQ,) and input_ids.dtype == labels.dtype == torch.long
+        assert input_ids.tolist() == stream[i * SEQ:(i + 1) * SEQ], f"window {i}"
+        assert torch.equal(labels, input_ids)  # every position carries loss
+        assert (labels != IGNORE_INDEX).all()
+    with pytest.raises(IndexError):
+        dataset[len(dataset)]  # the tail shorter than a window is dropped
+    assert len(stream) - len(dataset) * SEQ < SEQ
+
+
+def test_windows_are_the_same_on_a_second_construction(pretrain_data, tokenizer):
+    first, second = (PackedPretrainDataset(pretrain_data, tokenizer, SEQ) for _ in range(2))
+    assert len(first) == len(second)
+    for i in (0, 1, len(first) // 2, len(first) - 1, 3, 0):  # any order, repeated: rebuilt from the file alone
+        assert torch.equal(first[i][0], second[i][0])
+
+
+def test_each_document_starts_with_bos_after_the_previous_ones_eos(tmp_path, tokenizer):
+    texts = ["The capital of Peru is Lima.", "", "Cats sleep a lot.", "one two three four five six seven " * 4, "ok"]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    seq = 8
+    dataset = PackedPretrainDataset(path, tokenizer, seq)
+    joined = torch.cat([dataset[i][0] for i in range(len(dataset))]).tolist()
+    encoder = text_only_copy(tokenizer)
+    position = 0
+    for text in texts:  # document by document, as far as the windows reach
+        document = [BOS_ID] + encoder.encode(text).ids + [EOS_ID]
+        assert joined[position:position + len(document)] == document[:len(joined) - position]
+        position += len(document)
+    lengths = [len(encoder.encode(text).ids) + 2 for text in texts]
+    assert dataset.starts.tolist() == [sum(lengths[:k]) for k in range(len(texts) + 1)]
+    assert len(dataset) == sum(lengths) // seq and lengths[1] == 2
+    assert joined.count(BOS_ID) == sum(s < len(joined) for s in dataset.starts[:-1])
+    assert joined[dataset.starts[1]] == BOS_ID and joined[dataset.starts[1] - 1] == EOS_ID
+    # The empty text is [BOS][EOS]: still a document in the stream.
+    assert joined[dataset.starts[1]:dataset.starts[2]] == [BOS_ID, EOS_ID]
+
+
+def test_a_file_too_short_for_one_window_is_a_one_line_error(tmp_path, tokenizer):
+    path = tmp_path / "short.jsonl"
+    path.write_text(json.dumps({"text": "Too short."}) + "\n", encoding="utf-8")
+    with pytest.raises(DataFileError, match=r"short\.jsonl: --pack 1 needs at least --max_seq_len 48 tokens"):
+        PackedPretrainDataset(path, tokenizer, SEQ)
+    result = train("train_pretrain.py", None, run_args(tmp_path, path, "--pack", "1", "--max_steps", "1"), tmp_path,
+                   check=False)
+    assert result.returncode == 2, result.stderr
+    assert "--pack 1 needs at least --max_seq_len 48 tokens" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_packed_resume_on_same_world_size_is_bit_identical(tmp_path, pretrain_data):
+    common = ["--pack", "1", "--batch_size", "2", "--accumulation_steps", "2", "--epochs", "1"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train("train_pretrain.py", 2, run_args(straight, pretrain_data, *common, "--max_steps", "5"), tmp_path)
+    train("train_pretrain.py", 2, run_args(split, pretrain_data, *common, "--max_steps", "2"), tmp_path)
+    train("train_pretrain.py", 2, run_args(split, pretrain_data, *common, "--max_steps", "3", "--from_resume", "1"),
+          tmp_path)
+
+    assert events_of(split) == [("resume", 2)]
+    assert history_file(split, 2)["samples_consumed"] == 16  # 2 steps x 8 windows
+    assert resume_file(split)["train_args"]["pack"] == 1
+    assert_states_equal(resume_file(straight), resume_file(split))
+    key = lambda r: (r["step"], r["rank"])  # noqa: E731
+    a, b = sorted(trace_of(straight), key=key), sorted(trace_of(split), key=key)
+    assert [(key(r), r["samples"], r["loss"]) for r in a] == [(key(r), r["samples"], r["loss"]) for r in b]
+    # Every position carries loss: 2 micro-batches of 2 windows of SEQ tokens per rank and step.
+    assert {r["local_tokens"] for r in a} == {2 * 2 * (SEQ - 1)}
+
+
+def test_resume_refuses_another_pack_or_max_seq_len_naming_it(tmp_path, pretrain_data):
+    args = run_args(tmp_path, pretrain_data, "--pack", "1", "--batch_size", "2", "--max_steps", "1")
+    train("train_pretrain.py", None, args, tmp_path)
+    for flag, value, field in (("--pack", "0", "args.pack: checkpoint has 1, this run has 0"),
+                               ("--max_seq_len", "40", "args.max_seq_len: checkpoint has 48, this run has 40")):
+        result = train("train_pretrain.py", None, [*args, flag, value, "--from_resume", "1"], tmp_path, check=False)
+        assert result.returncode == 2 and "cannot resume" in result.stderr and field in result.stderr, result.stderr
+    assert resume_file(tmp_path)["global_step"] == 1  # nothing trained after the refusals
+
+
+def test_a_checkpoint_from_before_pack_resumes_unpacked_only():
+    saved_args = {"batch_size": 4, "accumulation_steps": 1, "global_batch_size": None, "world_size": 1,
+                  "epochs": 1, "seed": 42, "max_seq_len": 48}  # written before --pack existed: no "pack"
+    saved = {"lm_config": {"hidden_size": 32}, "data_fingerprint": {"sha256": "x"}, "train_args": saved_args}
+    unpacked = {**saved_args, "pack": 0}
+    assert check_resume_compatible(saved, {"hidden_size": 32}, {"sha256": "x"}, unpacked) == []
+    with pytest.raises(ResumeMismatch, match=r"args\.pack: checkpoint has 0, this run has 1"):
+        check_resume_compatible(saved, {"hidden_size": 32}, {"sha256": "x"}, {**saved_args, "pack": 1})
+
+
+def test_sft_has_no_pack_flag_and_records_pack_0():
+    class SFTArgs:  # the flags resume_settings reads, as train_full_sft.py's parser has them: no --pack
+        batch_size, global_batch_size, epochs, seed, max_seq_len = 4, None, 1, 42, 48
+        learning_rate, warmup_ratio, grad_clip, system_prompt_ratio, drop_empty_think_ratio = 1e-5, 0.0, 1.0, 0.0, 0.0
+    assert resume_settings(SFTArgs(), 1, 1)["pack"] == 0
