@@ -4,12 +4,14 @@ max_seq_len windows, each window one sample, so the sampler, the cursor and exac
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import (REPO, assert_states_equal, events_of, history_file, resume_file, run_args, slice_jsonl,
+from conftest import (REPO, assert_states_equal, child_env, events_of, history_file, resume_file, run_args,
                       trace_of, train)
 from dataset.jsonl_file import DataFileError
 from dataset.lm_dataset import IGNORE_INDEX, PackedPretrainDataset
@@ -134,3 +136,23 @@ def test_sft_has_no_pack_flag_and_records_pack_0():
         batch_size, global_batch_size, epochs, seed, max_seq_len = 4, None, 1, 42, 48
         learning_rate, warmup_ratio, grad_clip, system_prompt_ratio, drop_empty_think_ratio = 1e-5, 0.0, 1.0, 0.0, 0.0
     assert resume_settings(SFTArgs(), 1, 1)["pack"] == 0
+
+
+def test_packing_stats_prints_the_loss_share_of_both_formats(tmp_path, pretrain_data):
+    command = [sys.executable, str(REPO / "scripts" / "packing_stats.py"), "--data_path", str(pretrain_data),
+               "--max_seq_len", str(SEQ), "--hidden_size", "32", "--num_hidden_layers", "1", "--batch_size", "2",
+               "--steps", "1"]
+    result = subprocess.run(command, cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    rows = {line.split("|")[1].strip(): line for line in result.stdout.splitlines() if "(--pack" in line}
+    assert set(rows) == {"padded (--pack 0)", "packed (--pack 1)"}
+    assert rows["packed (--pack 1)"].split("|")[3].strip() == "100.0%"  # every position carries loss
+
+
+def test_shakespeare_speeches_are_speaker_and_lines_without_stage_directions():
+    from scripts.shakespeare_jsonl import speeches
+    markdown = ("# Hamlet\n\n## ACT I\n\n### SCENE I. Elsinore.\n\n_FRANCISCO at his post._\n\n"
+                "**BERNARDO**  \nWho's there?\n\n**FRANCISCO**  \nNay, answer me:  \nstand.\n\n"
+                "_Exit_\n\n### SCENE II. A room.\n\n**HAMLET**  \nA little more than kin.\n")
+    assert speeches(markdown) == [(1, "Bernardo: Who's there?"), (1, "Francisco: Nay, answer me:\nstand."),
+                                  (2, "Hamlet: A little more than kin.")]
