@@ -218,7 +218,7 @@ class JsonlFile:
 
 def _load_index_on_rank_0_and_broadcast(cls: type[JsonlFile], path: str, validate: Validator | None) -> JsonlFile:
     """Rank 0 builds the index; a status goes out first, so a failure there fails every rank."""
-    device = _collective_device()
+    device = collective_device()
     _check_every_rank_sees_the_same_file(path, device)
     is_rank_0 = dist.get_rank() == 0
     source, failure = None, None
@@ -279,7 +279,7 @@ def _tensor_from_bytes(data: bytes, device: torch.device) -> torch.Tensor:
     return torch.tensor(list(data), dtype=torch.uint8, device=device)
 
 
-def _collective_device() -> torch.device:
+def collective_device() -> torch.device:
     """nccl moves CUDA tensors only; gloo moves CPU tensors."""
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())

@@ -28,11 +28,12 @@ import random
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from tokenizers import Tokenizer
 from torch.utils.data import Dataset
 
 from dataset.chat_format import ChatEncoder, parse_conversation, render_segments
-from dataset.jsonl_file import DataFileError, JsonlFile
+from dataset.jsonl_file import DataFileError, JsonlFile, collective_device
 
 from model.tokenizer import BOS_ID, EOS_ID, PAD_ID, text_only_copy
 
@@ -108,8 +109,8 @@ class PackedPretrainDataset(Dataset):
     tokens. ``__getitem__`` re-tokenizes just the documents that overlap window ``i``. The
     windows therefore depend only on the file, the tokenizer and ``max_seq_len``; ``len()`` is
     the number of windows, so the sampler, the data cursor and resume work as for the unpacked
-    dataset. Every rank makes this pass itself (the ranks run it in parallel; they agree because
-    tokenizing is deterministic).
+    dataset. The ranks share this pass: each tokenizes its slice of the records, and one all-reduce
+    gives every rank all the lengths.
     """
 
     ENCODE_BATCH = 1024  # records tokenized together in the up-front pass (encode_batch runs them in parallel)
@@ -118,10 +119,7 @@ class PackedPretrainDataset(Dataset):
         self.source = JsonlFile.shared(data_path, validate=_check_pretrain_record)
         self.tokenizer = text_only_copy(tokenizer)
         self.max_seq_len = max_seq_len
-        lengths = np.empty(len(self.source), dtype=np.int64)  # tokens per document, BOS and EOS included
-        for first in range(0, len(self.source), self.ENCODE_BATCH):
-            texts = [self.source.read(k)["text"] for k in range(first, min(first + self.ENCODE_BATCH, len(self.source)))]
-            lengths[first:first + len(texts)] = [len(e.ids) + 2 for e in self.tokenizer.encode_batch(texts)]
+        lengths = self._document_lengths()  # tokens per document, BOS and EOS included
         self.starts = np.concatenate(([0], np.cumsum(lengths)))  # document k is stream[starts[k]:starts[k + 1]]
         self.total_tokens = int(self.starts[-1])
         self.num_windows = self.total_tokens // max_seq_len
@@ -129,6 +127,22 @@ class PackedPretrainDataset(Dataset):
             raise DataFileError(f"{self.source.path}: --pack 1 needs at least --max_seq_len {max_seq_len} tokens "
                                 f"for one window, and the file's {len(self.source)} records make {self.total_tokens}. "
                                 f"Add text, lower --max_seq_len, or train with --pack 0.")
+
+    def _document_lengths(self) -> np.ndarray:
+        """Each rank tokenizes its share of the records (a contiguous slice); one all-reduce (a sum:
+        the other ranks' slots are 0) gives every rank all the lengths."""
+        count = len(self.source)
+        rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        mine = range(rank * count // world_size, (rank + 1) * count // world_size)
+        lengths = np.zeros(count, dtype=np.int64)
+        for first in range(mine.start, mine.stop, self.ENCODE_BATCH):
+            texts = [self.source.read(k)["text"] for k in range(first, min(first + self.ENCODE_BATCH, mine.stop))]
+            lengths[first:first + len(texts)] = [len(e.ids) + 2 for e in self.tokenizer.encode_batch(texts)]
+        if world_size > 1:
+            shared = torch.from_numpy(lengths).to(collective_device())
+            dist.all_reduce(shared)
+            lengths = shared.cpu().numpy()
+        return lengths
 
     def __len__(self) -> int:
         return self.num_windows

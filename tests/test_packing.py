@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (REPO, assert_states_equal, child_env, events_of, history_file, resume_file, run_args,
-                      trace_of, train)
+from conftest import (REPO, assert_states_equal, child_env, events_of, free_port, history_file, resume_file,
+                      run_args, trace_of, train)
 from dataset.jsonl_file import DataFileError
 from dataset.lm_dataset import IGNORE_INDEX, PackedPretrainDataset
 from model.tokenizer import BOS_ID, EOS_ID, load_tokenizer, text_only_copy
@@ -56,6 +56,25 @@ def test_windows_are_the_same_on_a_second_construction(pretrain_data, tokenizer)
     assert len(first) == len(second)
     for i in (0, 1, len(first) // 2, len(first) - 1, 3, 0):  # any order, repeated: rebuilt from the file alone
         assert torch.equal(first[i][0], second[i][0])
+
+
+def _packed_starts_on_rank(rank: int, world_size: int, port: int, path: str, result_dir: str) -> None:
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        dataset = PackedPretrainDataset(path, load_tokenizer(), 48)
+        torch.save(torch.from_numpy(dataset.starts), Path(result_dir) / f"starts_{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_share_the_tokenizing_pass_and_get_the_single_process_windows(tmp_path, pretrain_data, tokenizer):
+    """Each of 3 gloo ranks tokenizes a third of the records; the all-reduced lengths must be the whole file's."""
+    torch.multiprocessing.start_processes(_packed_starts_on_rank, args=(3, free_port(), str(pretrain_data), str(tmp_path)),
+                                          nprocs=3, start_method="spawn")
+    expected = PackedPretrainDataset(pretrain_data, tokenizer, 48).starts
+    for rank in range(3):
+        assert torch.equal(torch.load(tmp_path / f"starts_{rank}.pt"), torch.from_numpy(expected)), rank
 
 
 def test_each_document_starts_with_bos_after_the_previous_ones_eos(tmp_path, tokenizer):
