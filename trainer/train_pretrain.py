@@ -63,7 +63,8 @@ def parse_args() -> argparse.Namespace:
     a("--learning_rate", type=float, default=5e-4)  # stage
     a("--warmup_ratio", type=float, default=0.01)
     a("--max_seq_len", type=int, default=340)
-    a("--pack", type=int, default=0, choices=(0, 1), help="1: join texts into full max_seq_len windows, no padding")  # stage
+    a("--pack", type=int, default=0, choices=(0, 1),  # stage
+      help="1: join texts into full max_seq_len windows, no padding")  # stage
     a("--hidden_size", type=int, default=512)
     a("--num_hidden_layers", type=int, default=8)
     a("--num_attention_heads", type=int, default=8)
@@ -79,7 +80,7 @@ def parse_args() -> argparse.Namespace:
     a("--max_steps", type=int, default=None, help="stop (and save) after this many steps of this invocation")
     a("--seed", type=int, default=42)
     a("--use_compile", type=int, default=None, choices=(0, 1), help="torch.compile (default: 1 on CUDA, 0 on CPU)")
-    add_operator_flags(parser)  # trackers, kept checkpoints, background saves, metrics files, validation, anomaly policy
+    add_operator_flags(parser)  # trackers, kept checkpoints, background saves, metrics, validation, anomaly policy
     return parser.parse_args()
 
 
@@ -164,9 +165,9 @@ def main() -> None:
         if numbers["save_failed"]:
             finish_saves(saver)  # raises on every rank, rank 0 with the writer's error
         if p["action"] is None:  # (a window stepped over after a rollback has its verdict already)
+            device_refused = None if args.judge_before_step else numbers["refused"]  # the two must agree
             p["action"], p["reason"] = guard.verdict(p["step"], numbers["loss"], numbers["grad_norm"],
-                                                     gradients_finite_expected=not scaler.is_enabled(),
-                                                     device_refused=None if args.judge_before_step else numbers["refused"])
+                                                     not scaler.is_enabled(), device_refused)
             if p["reason"]:
                 log(f"anomaly: {p['reason']} (--on_anomaly {args.on_anomaly}: {p['action']})")
                 tracker.anomaly(p["step"], p["reason"])
@@ -184,16 +185,16 @@ def main() -> None:
             if state is None:
                 raise AnomalyStop(f"{reason}; no checkpoint to roll back to yet (lower --save_interval)")
             guard.plan_rollback(p["epoch"], p["start"])
-            log(f"rollback {guard.rollbacks}/{guard.max_rollbacks}: back to step {state['global_step']}; the window "
-                f"at sample {p['start']} of epoch {p['epoch'] + 1} will be stepped over; lr scale now {guard.lr_scale:g}")
+            log(f"rollback {guard.rollbacks}/{guard.max_rollbacks}: back to step {state['global_step']}; the window at "
+                f"sample {p['start']} of epoch {p['epoch'] + 1} will be stepped over; lr scale now {guard.lr_scale:g}")
             restore_training_state(state, model, optimizer, scaler, rank, world_size)
             epoch, samples_consumed, global_step = state["epoch"], state["samples_consumed"], state["global_step"]
             steps_this_run -= 1  # a step rolled back does not count towards --max_steps
             tracker.rollback(global_step, total_steps())
             return "rollback"  # the while loop starts the restored epoch at the restored position
-        local_loss = numbers["local_loss_sum"] / max(numbers["local_tokens"], 1)
         record = {"step": p["step"], "epoch": p["epoch"], "rank": rank, "world_size": world_size,
-                  "samples": p["samples"] if action == "apply" else [], "loss": local_loss,
+                  "samples": p["samples"] if action == "apply" else [],
+                  "loss": numbers["local_loss_sum"] / max(numbers["local_tokens"], 1),
                   "loss_sum": numbers["local_loss_sum"], "local_tokens": numbers["local_tokens"],
                   "global_loss": numbers["loss"], "grad_norm": numbers["grad_norm"], "lr": p["lr"]}
         if action != "apply":
@@ -246,10 +247,10 @@ def main() -> None:
                 current = {"step": global_step + 1, "epoch": epoch, "start": samples_consumed, "action": None,
                            "samples": [int(i) for indices, _, _ in micro_batches for i in indices if i >= 0]}
                 if guard.should_skip(epoch, samples_consumed):  # it went wrong before a rollback: step over it
-                    log(f"stepping over the window at sample {samples_consumed} of epoch {epoch + 1}: it caused an anomaly")
-                    current.update(lr=0.0, action="skip", reason="stepped over: this window caused an anomaly before a rollback",
-                                   pending=StepNumbers.nothing_trained(device, current["step"], stop=stop.signal is not None,
-                                                                       save_failed=saver.failed))
+                    reason = "stepped over: this window caused an anomaly before a rollback"
+                    log(f"{reason} (sample {samples_consumed} of epoch {epoch + 1})")
+                    current.update(lr=0.0, action="skip", reason=reason, pending=StepNumbers.nothing_trained(
+                        device, current["step"], stop=stop.signal is not None, save_failed=saver.failed))
                 else:
                     # The LR at the position this step reaches, so the first step already trains.
                     progress = (epoch * n + samples_consumed + window) / (args.epochs * n)
@@ -278,7 +279,8 @@ def main() -> None:
                     scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
                     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
                     # Loss, grad norm and whether any rank must stop: reduced, and sent to the host unread.
-                    current["pending"] = StepNumbers(loss_sum, global_tokens, local_tokens, grad_norm, step=current["step"],
+                    current["pending"] = StepNumbers(loss_sum, global_tokens, local_tokens, grad_norm,
+                                                     step=current["step"],
                                                      input_tokens=sum(x.numel() for x, _ in on_device),
                                                      stop=stop.signal is not None, save_failed=saver.failed)
                 # ---- the previous step's verdict and the rest of it, while the device computes this one ----
@@ -299,7 +301,8 @@ def main() -> None:
                     saver.state_ready()  # a save copies the state from here, while the next step computes
                 else:
                     current["pending"].send()
-                samples_consumed, global_step, steps_this_run = samples_consumed + window, global_step + 1, steps_this_run + 1
+                samples_consumed, global_step = samples_consumed + window, global_step + 1
+                steps_this_run += 1
                 if samples_consumed == n:
                     epoch, samples_consumed = epoch + 1, 0
                 current.update(after=(epoch, samples_consumed, global_step),
