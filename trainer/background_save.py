@@ -4,9 +4,9 @@ A step takes milliseconds on a GPU, a checkpoint write seconds. So a save is spl
 CPU buffers allocated at the first save and reused, pinned on CUDA for full PCIe speed), then the
 write (a thread runs the same function as a synchronous save, so the format and checkpoint_io's
 kill -9 guarantees are one piece of code). On CUDA the copy does not stop the host either: it runs on
-a side stream from the point the loop marks with `state_ready()` (just after an optimizer step), in
-parallel with the next step's forward and backward, and the GPU makes the next optimizer step wait
-for it (an event, on the device) so no weight changes under the copy.
+a side stream from the point the loop marks with `state_ready()` (after each step's optimizer step,
+or a rollback's reload), in parallel with the next step's forward and backward, and the GPU makes the
+next optimizer step wait for it (an event, on the device) so no weight changes under the copy.
 At most one save is in flight: the next save and every exit path wait for it. A failed write is kept
 and re-raised by `wait()`; the loop checks `failed` at every step so all ranks stop together.
 """
@@ -35,7 +35,8 @@ class BackgroundSaver:
         self.copied: torch.cuda.Event | None = None
 
     def state_ready(self) -> None:
-        """Mark this point of the GPU's work (after an optimizer step) as the state a save copies."""
+        """Mark this point of the GPU's work (after a step, with everything queued before it, such as a
+        rollback's reload) as the state a save copies."""
         if self.copy_stream is not None:
             self.ready = torch.cuda.Event()
             self.ready.record()

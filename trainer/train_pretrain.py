@@ -298,9 +298,9 @@ def main() -> None:
                     pending.send(refusal)
                     step_unless_refused(optimizer, scaler, refusal)  # AdamW, or nothing where refusal is 1
                     optimizer.zero_grad(set_to_none=True)
-                    saver.state_ready()  # a save copies the state from here, while the next step computes
                 else:
                     current["pending"].send()
+                saver.state_ready()  # a save copies the state from here (also a rollback's) while the next step runs
                 samples_consumed, global_step = samples_consumed + window, global_step + 1
                 steps_this_run += 1
                 if samples_consumed == n:
