@@ -133,12 +133,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused op that sums squares in float32 and returns x's dtype. Qwen3 writes it as five ops
-        # and multiplies by the fp32 weight after casting back, which turns bf16 queries and keys into
-        # fp32. Here the weight takes x's dtype instead (a no-op for the fp32 residual stream), and
-        # autocast is told to keep out: it would run rms_norm in fp32, copying q and k to fp32 and back.
-        # The result is cast once to the dtype the next matmuls run in (bf16 under autocast), where
-        # autocast would cast it again for each of them (q, k and v; gate and up).
+        # One fused op (float32 sums, x's dtype out). Qwen3 multiplies by the fp32 weight after the
+        # cast back, turning bf16 q and k into fp32; here the weight takes x's dtype, and autocast keeps
+        # out (it would run rms_norm in fp32). The result is cast once to the dtype the next matmuls run
+        # in, where autocast would cast it for each of them (q, k and v; gate and up).
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         with torch.autocast(device, enabled=False):

@@ -69,7 +69,8 @@ class AnomalyDetector:
             return f"non-finite loss {loss} at step {step}"
         if not math.isfinite(grad_norm):
             return f"non-finite grad norm {grad_norm} at step {step}"
-        reason = self._spike(step, loss) or self._explosion(step, grad_norm)
+        loss_limit, grad_limit = self.limits()
+        reason = self._spike(step, loss, loss_limit) or self._explosion(step, grad_norm, grad_limit)
         if reason:
             return reason
         self.losses.append(loss)
@@ -87,8 +88,7 @@ class AnomalyDetector:
             grad_limit = self.grad_explosion_factor * statistics.median(self.grad_norms)
         return loss_limit, grad_limit
 
-    def _spike(self, step: int, loss: float) -> str | None:
-        limit = self.limits()[0]
+    def _spike(self, step: int, loss: float, limit: float) -> str | None:
         if loss <= limit:
             return None
         mean = statistics.fmean(self.losses)
@@ -96,8 +96,7 @@ class AnomalyDetector:
                 f"{self.spike_factor:g} x std {(limit - mean) / self.spike_factor:.4f} of the last "
                 f"{len(self.losses)} steps")
 
-    def _explosion(self, step: int, grad_norm: float) -> str | None:
-        limit = self.limits()[1]
+    def _explosion(self, step: int, grad_norm: float, limit: float) -> str | None:
         if grad_norm <= limit:
             return None
         median = limit / self.grad_explosion_factor
