@@ -174,7 +174,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, past_kv=None):
+    def forward(self, x, cos, sin, past_kv=None, use_cache=False):
         batch, seq, _ = x.shape
         # Norm and rotation on contiguous (batch, seq, heads, head_dim) tensors, in the activation dtype;
         # only then are heads moved before seq (a view) for attention. cos/sin are (seq, 1, head_dim).
@@ -185,7 +185,7 @@ class Attention(nn.Module):
         if past_kv is not None:
             k = torch.cat((past_kv[0], k), dim=2)
             v = torch.cat((past_kv[1], v), dim=2)
-        new_kv = (k, v)
+        new_kv = (k, v) if use_cache else None  # (a layer's output only when asked: FSDP hooks every output)
         past_len = k.shape[2] - seq
 
         # Grouped-query attention: each key/value head serves num_heads / num_kv_heads query heads.
@@ -266,8 +266,8 @@ class DecoderLayer(nn.Module):
             self.mlp = FeedForward(config.hidden_size, config.intermediate_size)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, cos, sin, past_kv=None):
-        attn_out, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, past_kv)
+    def forward(self, x, cos, sin, past_kv=None, use_cache=False):
+        attn_out, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, past_kv, use_cache)
         x = x + self.resid_dropout(attn_out)
         if self.use_moe:
             mlp_out, aux_loss = self.mlp(self.post_attention_layernorm(x))
@@ -294,7 +294,7 @@ class Decoder(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_signed_sin", torch.cat((-sin[:, :half], sin[:, half:]), dim=-1), persistent=False)
 
-    def forward(self, input_ids, past_key_values=None):
+    def forward(self, input_ids, past_key_values=None, use_cache=False):
         x = self.embed_tokens(input_ids)
         past_len = past_key_values[0][0].shape[2] if past_key_values else 0
         end = past_len + input_ids.shape[1]
@@ -308,7 +308,7 @@ class Decoder(nn.Module):
         sin = self.rope_signed_sin[past_len:end, None].to(dtype)
         new_cache, aux_loss = [], x.new_zeros((), dtype=torch.float32)
         for i, layer in enumerate(self.layers):
-            x, kv, layer_aux = layer(x, cos, sin, past_key_values[i] if past_key_values else None)
+            x, kv, layer_aux = layer(x, cos, sin, past_key_values[i] if past_key_values else None, use_cache)
             new_cache.append(kv)
             if layer_aux is not None:
                 aux_loss = aux_loss + layer_aux
@@ -350,7 +350,7 @@ class CausalLM(nn.Module):
         the counted tokens, `"sum"` adds them up (0.0 when none count), for callers that normalise
         by the token count of a larger batch.
         """
-        hidden, new_cache, aux_loss = self.model(input_ids, past_key_values)
+        hidden, new_cache, aux_loss = self.model(input_ids, past_key_values, use_cache)
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:

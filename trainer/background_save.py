@@ -49,11 +49,15 @@ class BackgroundSaver:
         """Copy `state` to CPU memory, then `write(copy)` (in the background, after the previous write)."""
         self.wait()  # at most one save in flight: its buffers are about to be reused
         copy = self.snapshot(state)
+        self.run(lambda: (self._copies_landed(), write(copy)))
+
+    def run(self, job: Callable[[], None]) -> None:
+        """Run `job`, a write whose data is copied already: in a thread when `background`, else now."""
+        self.wait()
         if not self.background:
-            self._copies_landed()
-            write(copy)
+            job()
             return
-        self.thread = threading.Thread(target=self._run, args=(write, copy), name="checkpoint-writer", daemon=True)
+        self.thread = threading.Thread(target=self._run, args=(job,), name="checkpoint-writer", daemon=True)
         self.thread.start()
 
     def wait(self, raise_error: bool = True) -> None:
@@ -75,10 +79,9 @@ class BackgroundSaver:
         if self.copied is not None:
             self.copied.synchronize()  # the host waits for the copies; the training stream did not
 
-    def _run(self, write: Callable[[dict], None], copy: dict) -> None:
+    def _run(self, job: Callable[[], None]) -> None:
         try:
-            self._copies_landed()
-            write(copy)
+            job()
         except BaseException as error:  # kept for wait(); the training thread decides what happens
             self.error = error
 
@@ -120,8 +123,8 @@ class BackgroundSaver:
 
 
 def finish_saves(saver: BackgroundSaver) -> None:
-    """Wait for the save in flight; if it failed, every rank raises (rank 0 with the writer's error).
-    Call it on every rank: only rank 0 writes, the others learn from it whether that worked."""
+    """Wait for the save in flight; if it failed on any rank, every rank raises (that rank with the writer's
+    error). Call it on every rank: rank 0 writes (every rank, for a sharded checkpoint), all learn the outcome."""
     error = None
     try:
         saver.wait()
@@ -129,8 +132,10 @@ def finish_saves(saver: BackgroundSaver) -> None:
         error = caught
     failed = [error is not None]
     if dist.is_initialized():
-        dist.broadcast_object_list(failed, src=0)
+        failed = [None] * dist.get_world_size()
+        dist.all_gather_object(failed, error is not None)
     if error is not None:
         raise error
-    if failed[0]:
-        raise CheckpointError("rank 0 could not write the checkpoint (see its error); the previous one is intact")
+    if any(failed):
+        raise CheckpointError(f"rank {failed.index(True)} could not write the checkpoint (see its error); the "
+                              f"previous one is intact")

@@ -30,6 +30,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import socket
 import threading
 import time
@@ -40,7 +41,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-HISTORY_NAME = re.compile(r"^step_(\d{8})\.pth$")
+HISTORY_NAME = re.compile(r"^step_(\d{8})\.(?:pth|dcp)$")  # .dcp: a sharded checkpoint's folder
 STEP_FILE_NAME = re.compile(r"^step_\d{8}\.(?:pth|json)$")  # what a save writes into the history folder
 TEMP_TAIL = r"(?:\.partial-[A-Za-z0-9._-]+)?\.tmp"  # see temp_path; a bare `NAME.tmp` is an earlier version's
 
@@ -178,9 +179,8 @@ def save_verified(files: RunFiles, state: dict, step: int, keep_last: int, info:
         if aside is not None:
             print(f"kept {files.resume_link.name}, which this project's checkpoints do not account for, as "
                   f"{aside} (this save writes {files.resume_link.name})", flush=True)
-        link_resume_to(files, path)
+        point_resume_at(files, path)
         written = False  # the resume link names it now: it is the newest checkpoint, keep it
-        atomic_write_text(files.latest_pointer, f"{files.history_dir.name}/{path.name}\n")
     except (OSError, CheckpointError) as error:
         if written:  # a half-finished save: give its space back and leave no unverifiable newest file
             for leftover in (path, manifest_path(path)):
@@ -206,6 +206,22 @@ def check_written(path: Path, size: int) -> None:
         raise CheckpointError(f"{path} has {actual} bytes right after writing {size}")
 
 
+def point_resume_at(files: RunFiles, path: Path) -> None:
+    """Make `path` the newest checkpoint: the resume link (a file) and the latest pointer name it. A sharded
+    checkpoint (a folder) has no single file to link: a link to an older checkpoint of ours is removed."""
+    if path.is_dir():
+        if files.resume_link.is_file() and is_managed(files, files.resume_link):
+            files.resume_link.unlink()  # a second name of a kept history file: no bytes are lost
+    else:
+        link_resume_to(files, path)
+    atomic_write_text(files.latest_pointer, f"{files.history_dir.name}/{path.name}\n")
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Delete a history entry: a file, or a sharded checkpoint's folder."""
+    shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+
+
 def link_resume_to(files: RunFiles, path: Path) -> None:
     """Point `{run}_resume.pth` at `path`: a hard link (no second copy on disk) made under a temp name and
     renamed over the old one, so the name always holds a complete checkpoint."""
@@ -228,7 +244,7 @@ def rotate(files: RunFiles, keep_last: int, newest: Path) -> list[Path]:
             continue
         problem = verify(path, cached=True)
         if not manifest_path(path).is_file():  # a save killed before its manifest: never was a checkpoint
-            path.unlink()
+            remove_checkpoint(path)
             print(f"removed {path}: its save was interrupted before the manifest was written", flush=True)
         elif problem is not None:
             print(f"checkpoint {path} fails verification ({problem}): moved to {move_aside(files, path)}", flush=True)
@@ -236,7 +252,7 @@ def rotate(files: RunFiles, keep_last: int, newest: Path) -> list[Path]:
             kept += 1
         elif path.name < newest.name:
             manifest_path(path).unlink(missing_ok=True)
-            path.unlink()
+            remove_checkpoint(path)
             _known_hashes.pop(os.path.abspath(path), None)
             removed.append(path)
     return removed
@@ -265,12 +281,16 @@ def verify(path: Path, manifest_file: Path | None = None, cached: bool = False) 
     for a copy that lives elsewhere. `cached`: trust a hash this process already has (see sha256_of)."""
     manifest_file = manifest_path(path) if manifest_file is None else manifest_file
     try:
-        if not path.is_file():
+        sharded = path.is_dir() and HISTORY_NAME.match(path.name) and path.suffix == ".dcp"
+        if not sharded and not path.is_file():
             return "not a regular file" if os.path.lexists(path) else "file is missing"
         if not manifest_file.is_file():
             return f"no manifest {manifest_file.name} (the save was interrupted)"
         try:
             manifest = json.loads(manifest_file.read_text())
+            if sharded:  # a folder of files (sharded_checkpoint.py), each with its size and hash
+                from trainer.sharded_checkpoint import verify_folder  # here: that module builds on this one
+                return verify_folder(path, manifest, cached)
             expected_size, expected_sha = int(manifest["size"]), str(manifest["sha256"])
         except (ValueError, KeyError, TypeError) as error:
             return f"manifest {manifest_file.name} is unreadable ({error})"
@@ -285,7 +305,11 @@ def verify(path: Path, manifest_file: Path | None = None, cached: bool = False) 
 
 
 def load_trusted(path: Path) -> dict:
-    """torch.load with weights_only=True: tensors and plain types only, never code from a pickle."""
+    """torch.load with weights_only=True: tensors and plain types only, never code from a pickle. A sharded
+    checkpoint's folder gives its train_state.pth, with `sharded_dir` naming the folder (the tensors stay there)."""
+    if path.is_dir():
+        from trainer.sharded_checkpoint import load_train_state  # here: that module builds on this one
+        return load_train_state(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
@@ -351,12 +375,11 @@ def _set_aside_failed(files: RunFiles, good: Path, failed: list[tuple[Path, str]
     if it named one of them, names `good` first: a kill in between leaves it on a good file."""
     try:
         link = files.resume_link
-        if link.is_file() and is_managed(files, link) and not os.path.samefile(link, good):
-            link_resume_to(files, good)
-            atomic_write_text(files.latest_pointer, f"{files.history_dir.name}/{good.name}\n")
+        if good.is_dir() or link.is_file() and is_managed(files, link) and not os.path.samefile(link, good):
+            point_resume_at(files, good)
         for path, problem in failed:
             if not manifest_path(path).is_file():  # a save killed before its manifest: its space is given back
-                path.unlink()
+                remove_checkpoint(path)
                 log(f"skipping checkpoint {path}: {problem}; removed it")
             else:
                 log(f"skipping checkpoint {path}: {problem}; moved it to {move_aside(files, path)}")

@@ -28,6 +28,9 @@ def add_operator_flags(parser: argparse.ArgumentParser) -> None:
     a("--save_debug_train_output", default=None,
       help="JSONL path: one record per optimizer step and rank (sample indices, loss, lr)")
     a("--save_hf", type=int, default=0, choices=(0, 1), help="1: also write a Hugging Face export at each save")
+    a("--gather_weights", type=int, default=1, choices=(0, 1),
+      help="--parallel fsdp: 1 gathers the weights to rank 0 at each save for the FP16 out/ file; 0 skips that for "
+           "a model too big to gather (scripts/consolidate_checkpoint.py writes it from the checkpoint later)")
     a("--logger", default="console,file", help="any of console,file,wandb,swanlab, comma-separated")
     a("--metrics_dir", default=None, help="where {run_name}_metrics.jsonl and _status.json go (default --save_dir)")
     a("--run_name", default=None, help="name of the metrics files and tracker run (default {weight}_{hidden})")

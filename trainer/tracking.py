@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import threading
 import time
@@ -64,8 +65,11 @@ def validation_loss(model: torch.nn.Module, dataset, batch_size: int, device: to
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, token count
     indices = list(range(rank, len(dataset), world_size))
-    for start in range(0, len(indices), batch_size):
+    batches = math.ceil(math.ceil(len(dataset) / world_size) / batch_size)  # the same on every rank: FSDP needs it
+    for start in range(0, batches * batch_size, batch_size):
         rows = [dataset[i] for i in indices[start:start + batch_size]]
+        if not rows:  # this rank's share ran out: one row whose labels are all ignored adds nothing
+            rows = [(dataset[0][0], torch.full_like(dataset[0][1], -100))]
         labels = torch.stack([r[1] for r in rows]).to(device)
         with autocast:
             totals[0] += model(torch.stack([r[0] for r in rows]).to(device), labels=labels,

@@ -37,6 +37,7 @@ from trainer.background_save import BackgroundSaver, finish_saves
 from trainer.operator_flags import add_operator_flags
 from trainer.resume_checks import data_fingerprint, resume_settings
 from trainer.run_lock import claim_run_directories
+from trainer.sharding import no_sync, shard_model
 from trainer.step_numbers import StepNumbers, step_unless_refused
 from trainer.stopping import StopRequest, continue_command
 from trainer.tracking import Tracker, flops_per_token, validation_loss
@@ -79,6 +80,8 @@ def parse_args() -> argparse.Namespace:
     a("--max_steps", type=int, default=None, help="stop (and save) after this many steps of this invocation")
     a("--seed", type=int, default=42)
     a("--use_compile", type=int, default=None, choices=(0, 1), help="torch.compile (default: 1 on CUDA, 0 on CPU)")
+    a("--parallel", default="ddp", choices=("ddp", "fsdp"),
+      help="ddp: a full copy of the model per GPU; fsdp: each GPU keeps a slice (for models one GPU cannot hold)")
     # minimind's augmentations, off by default; drawn per (seed, epoch, sample), so a resume stays exact.  # stage
     a("--system_prompt_ratio", type=float, default=None,  # stage
       help="share of samples without a system message that get a generic one")  # stage
@@ -123,11 +126,15 @@ def main() -> None:
     if resuming and state is None:
         log(f"--from_resume 1: no checkpoint of {run_name(args.save_weight, lm_config)} yet; starting fresh")
     model, lm_config = init_model(args, lm_config, log, resume_state=state)  # weights: section 5, --from_weight
-    model.to(device)  # FP32 master weights; bf16 (or fp16 + GradScaler) autocast on CUDA, fp32 on CPU
-    use_cuda = device.type == "cuda"
+    use_cuda, dtype = device.type == "cuda", getattr(torch, args.dtype)
+    if args.use_compile is None:  # where it pays: 2.5x on an H100; on a CPU compiling costs more than it saves
+        args.use_compile = int(use_cuda)
+        log(f"torch.compile {'on' if use_cuda else 'off'} by default on {device.type} (--use_compile 0/1 to choose)")
+    # FP32 master weights; bf16 (or fp16 + GradScaler) autocast on CUDA, fp32 on CPU. --parallel fsdp: each rank
+    # keeps a slice of the weights, gradients and AdamW moments, not a copy (trainer/sharding.py says how)
+    model = shard_model(model, device, dtype, args) if args.parallel == "fsdp" else model.to(device)
     # fused: one kernel for all parameters, and it can skip a refused step on the device (step_numbers.py)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.01, fused=True)
-    dtype = getattr(torch, args.dtype)
     autocast = torch.autocast("cuda", dtype=dtype) if use_cuda and dtype != torch.float32 else nullcontext()
     scaler = torch.amp.GradScaler("cuda", enabled=use_cuda and dtype == torch.float16)
     guard = AnomalyGuard(args.on_anomaly, args.patience, args.max_rollbacks, args.rollback_lr_factor)
@@ -150,12 +157,9 @@ def main() -> None:
         f"{accumulation} accumulation; {total_steps() - global_step} steps")
 
     # ---- 6. Compile and DDP (after loading, so state_dict keys carry no wrapper prefixes); outputs --
-    if args.use_compile is None:  # where it pays: 2.5x on an H100; on a CPU compiling costs more than it saves
-        args.use_compile = int(use_cuda)
-        log(f"torch.compile {'on' if use_cuda else 'off'} by default on {device.type} (--use_compile 0/1 to choose)")
-    if args.use_compile:
+    if args.use_compile and args.parallel == "ddp":  # (FSDP compiled each layer as it sharded it)
         model = torch.compile(model, backend=args.compile_backend)
-    if world_size > 1:
+    if world_size > 1 and args.parallel == "ddp":
         model = DistributedDataParallel(model, device_ids=[dist_info.local_rank] if use_cuda else None)
     tracker = Tracker(args, args.run_name or run_name(args.save_weight, lm_config), dist_info.is_main, device,
                       start_step=global_step, total_steps=total_steps(),
@@ -220,7 +224,8 @@ def main() -> None:
                                  args.save_dir, args.checkpoint_dir, samples_consumed=at_sample,
                                  global_step=at_step, scaler=scaler, lr=p["lr"], train_args=settings,
                                  data_fingerprint=fingerprint, anomaly_state=guard.state_dict(), rng_state=rng,
-                                 keep_last=args.keep_last, swanlab=tracker.runs.get("swanlab"), saver=saver)
+                                 keep_last=args.keep_last, swanlab=tracker.runs.get("swanlab"), saver=saver,
+                                 gather_weights=bool(args.gather_weights))
             tracker.saved(at_step, kept, time.perf_counter() - started)  # only the time it blocked training
             if args.save_hf and dist_info.is_main:
                 hf_dir = Path(args.save_dir) / f"{run_name(args.save_weight, lm_config)}_hf"
@@ -276,7 +281,7 @@ def main() -> None:
                     for i, (input_ids, labels) in enumerate(on_device):
                         # Only the last micro-step all-reduces the gradients; the others just accumulate.
                         is_last = i == len(on_device) - 1
-                        with nullcontext() if is_last or world_size == 1 else model.no_sync():
+                        with nullcontext() if is_last or world_size == 1 else no_sync(model):
                             with autocast:
                                 out = model(input_ids, labels=labels, loss_reduction="sum")
                                 loss = out.loss * loss_scale + out.aux_loss / len(on_device)

@@ -33,7 +33,7 @@ from torch.utils.data import Dataset, Sampler
 from dataset.jsonl_file import DataFileError
 from model.hf import load_project_weights
 from model.model import CausalLM, LMConfig
-from trainer import checkpoint_io, resume_checks
+from trainer import checkpoint_io, resume_checks, sharding
 from trainer.anomaly import AnomalyStop
 from trainer.background_save import BackgroundSaver
 from trainer.checkpoint_io import CheckpointError
@@ -323,8 +323,11 @@ def capture_rng_state() -> dict:
 def restore_training_state(state: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                            scaler: torch.amp.GradScaler, rank: int, world_size: int) -> None:
     """Weights, optimizer, scaler and (on the same world size only) this rank's RNG from `state`."""
-    unwrap(model).load_state_dict(state["model"], strict=True)
-    optimizer.load_state_dict(state["optimizer"])
+    if sharding.is_sharded(model) or "sharded_dir" in state:  # FSDP, or a sharded checkpoint (sharding.py)
+        sharding.restore(state, unwrap(model), optimizer)
+    else:
+        unwrap(model).load_state_dict(state["model"], strict=True)
+        optimizer.load_state_dict(state["optimizer"])
     if state["scaler"] is not None:
         scaler.load_state_dict(state["scaler"])
     if len(state["rng"]) == world_size:  # on another world size every rank keeps its fresh seed
@@ -345,24 +348,29 @@ def lm_checkpoint(lm_config: LMConfig, weight: str = "full_sft", model=None, opt
                   anomaly_state: dict | None = None, rng_state: dict | None = None, keep_last: int = 2, swanlab=None,
                   saver: BackgroundSaver | None = None, resume_path: str | None = None,
                   num_samples: int | None = None, global_batch: int | None = None, given_sizes: dict | None = None,
-                  log=print) -> dict | Path | None:
+                  gather_weights: bool = True, log=print) -> dict | Path | None:
     """Save a checkpoint (when `model` is given; returns the kept file it writes) or load the newest good one.
 
     The positional parameters are minimind's; the keywords after `*` are what exact resume adds.
     Saving runs on every rank (it gathers each rank's RNG state: `rng_state`, as captured right after
-    the step being saved, or else now); rank 0 writes, through `saver`.
+    the step being saved, or else now); rank 0 writes, through `saver`. A sharded (FSDP) model is saved by
+    every rank, as a sharded checkpoint; `gather_weights` False skips its FP16 out/ file.
     Loading returns the newest checkpoint that verifies (or `resume_path`'s), checked against this
     run's `lm_config` (or, with `given_sizes`, only the sizes the flags give), `data_fingerprint` and
     `train_args`, its step label for `global_batch`; None if the run has none.
     """
     files = checkpoint_io.RunFiles(Path(checkpoint_dir), run_name(weight, lm_config))
     if model is not None:  # Save
-        rng_states = [rng_state or capture_rng_state()]
-        if dist.is_initialized():
-            rng_states = [None] * dist.get_world_size()
-            dist.all_gather_object(rng_states, rng_state or capture_rng_state())
-        error = None
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        gathered = [(global_step, rng_state or capture_rng_state())]
+        if dist.is_initialized():  # every rank's RNG, and the step each rank is saving: it must be one step
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, gathered_step := (global_step, rng_state or capture_rng_state()))
+            if len({step_of_rank for step_of_rank, _ in gathered}) > 1:
+                raise CheckpointError(f"the ranks are saving different steps {[s for s, _ in gathered]}: a bug; "
+                                      f"nothing was written (rank {dist.get_rank()} is at {gathered_step[0]})")
+        rng_states = [rng for _, rng in gathered]
+        error, sharded, kept = None, sharding.is_sharded(model), files.history_file(global_step)
+        if sharded or not dist.is_initialized() or dist.get_rank() == 0:
             # What a `_resume.pth` holds: everything the next optimizer step depends on.
             state = {
                 "format_version": 1,
@@ -384,19 +392,24 @@ def lm_checkpoint(lm_config: LMConfig, weight: str = "full_sft", model=None, opt
             }
             info = {"epoch": epoch, "global_step": global_step, "samples_consumed": samples_consumed}  # manifest
             out_path = Path(save_dir) / f"{files.name}.pth"
+            saver = saver or BackgroundSaver(background=False, pin_memory=False)
             try:  # copy to CPU memory, then write (in the background if the saver does): checkpoint_io's protocol
-                (saver or BackgroundSaver(background=False, pin_memory=False)).submit(
-                    state, lambda copy: checkpoint_io.write_checkpoint_files(files, out_path, copy, keep_last, info))
+                if sharded:  # FSDP: every rank writes its slices, rank 0 the rest (sharding.py)
+                    kept = sharding.save_sharded(files, state, unwrap(model), optimizer, out_path, keep_last, info,
+                                                 saver, gather_weights)
+                else:
+                    saver.submit(state, lambda copy: checkpoint_io.write_checkpoint_files(files, out_path, copy,
+                                                                                         keep_last, info))
             except Exception as caught:  # re-raised below, after telling the other ranks to stop too
                 error = caught
-        if dist.is_initialized():  # every rank must stop together if rank 0 could not save
-            failed = [error is not None]
-            dist.broadcast_object_list(failed, src=0)
-            if failed[0] and error is None:
-                raise CheckpointError("rank 0 could not save the checkpoint (see its error)")
+        if dist.is_initialized():  # every rank must stop together if a rank could not save
+            failed = [None] * dist.get_world_size()
+            dist.all_gather_object(failed, error is not None)
+            if any(failed) and error is None:
+                raise CheckpointError(f"rank {failed.index(True)} could not save the checkpoint (see its error)")
         if error is not None:
             raise error
-        return files.history_file(global_step)  # the kept copy (the _resume.pth link moves on at the next save)
+        return kept  # the kept copy (the _resume.pth link moves on at the next save)
 
     # Load: the newest checkpoint that verifies, checked against this run, its step label rescaled.
     state = checkpoint_io.load_newest(files, resume_path, log)
