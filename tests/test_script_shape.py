@@ -28,7 +28,7 @@ def test_the_two_scripts_are_identical_apart_from_the_lines_marked_stage():
 def test_each_script_writes_out_the_step_the_save_and_the_sampler():
     for script in SCRIPTS:
         text = (REPO / "trainer" / script).read_text(encoding="utf-8")
-        for piece in ("SkipBatchSampler(", "model.no_sync()", ".backward()", "clip_grad_norm_(", "guard.verdict(",
+        for piece in ("SkipBatchSampler(", "no_sync(model)", ".backward()", "clip_grad_norm_(", "guard.verdict(",
                       "guard.refusal(", "step_unless_refused(", "lm_checkpoint(", "get_lr("):
             assert piece in text, f"{script} does not contain {piece}"
         sections = re.findall(r"# ---- (\d+)\. ", text)

@@ -49,8 +49,9 @@ def shard_model(model: torch.nn.Module, device: torch.device, dtype: torch.dtype
         raise ConfigError("--parallel fsdp trains in bfloat16 or float32: pass --dtype bfloat16 (float16 needs "
                           "a sharded loss scaler, which this trainer does not have yet)")
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    # bf16 on CUDA: layers compute with bf16 copies of the gathered weights; gradients are reduced in fp32.
-    precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if on_cuda else MixedPrecisionPolicy()
+    precision = MixedPrecisionPolicy()  # fp32 throughout: on the CPU
+    if on_cuda:  # bf16: layers compute with bf16 copies of the gathered weights; gradients are reduced in fp32
+        precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for layer in model.model.layers:
         if args.use_compile:
             layer.compile(backend=args.compile_backend)

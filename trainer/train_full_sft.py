@@ -8,11 +8,11 @@ missing or mismatching file is an error, never a silent random start). Run it fr
     torchrun --nnodes 2 --node_rank 0 --nproc_per_node 8 \\
         --rdzv_backend c10d --rdzv_endpoint HOST:29500 trainer/train_full_sft.py   # node 0 of 2
     ... --from_resume 1                                             # continue, also on another GPU count
+    ... --parallel fsdp                                             # each GPU keeps a slice: bigger models
 
-Writes out/full_sft_{hidden}.pth (FP16) and checkpoints/ (the resume state). The whole training is
-in this file, in numbered sections; trainer/trainer_utils.py holds what it calls (the sampler, the
-LR, lm_checkpoint). It is train_pretrain.py with the lines marked `# stage` changed, and a test
-holds the two to that.
+Writes out/full_sft_{hidden}.pth (FP16) and checkpoints/ (the resume state). The whole training is in this
+file, in numbered sections; trainer/trainer_utils.py holds what it calls (the sampler, the LR, lm_checkpoint).
+It is train_pretrain.py with the lines marked `# stage` changed, and a test holds the two to that.
 """
 
 import argparse
@@ -80,13 +80,10 @@ def parse_args() -> argparse.Namespace:
     a("--max_steps", type=int, default=None, help="stop (and save) after this many steps of this invocation")
     a("--seed", type=int, default=42)
     a("--use_compile", type=int, default=None, choices=(0, 1), help="torch.compile (default: 1 on CUDA, 0 on CPU)")
-    a("--parallel", default="ddp", choices=("ddp", "fsdp"),
-      help="ddp: a full copy of the model per GPU; fsdp: each GPU keeps a slice (for models one GPU cannot hold)")
+    a("--parallel", default="ddp", choices=("ddp", "fsdp"), help="fsdp: each GPU keeps a slice of the model")
     # minimind's augmentations, off by default; drawn per (seed, epoch, sample), so a resume stays exact.  # stage
-    a("--system_prompt_ratio", type=float, default=None,  # stage
-      help="share of samples without a system message that get a generic one")  # stage
-    a("--drop_empty_think_ratio", type=float, default=None,  # stage
-      help="share of samples whose empty <think> blocks are left out")  # stage
+    a("--system_prompt_ratio", type=float, default=None, help="share of samples given a generic system prompt")  # stage
+    a("--drop_empty_think_ratio", type=float, default=None, help="share of samples with empty <think> dropped")  # stage
     add_operator_flags(parser)  # trackers, kept checkpoints, background saves, metrics, validation, anomaly policy
     return parser.parse_args()
 
@@ -130,8 +127,7 @@ def main() -> None:
     if args.use_compile is None:  # where it pays: 2.5x on an H100; on a CPU compiling costs more than it saves
         args.use_compile = int(use_cuda)
         log(f"torch.compile {'on' if use_cuda else 'off'} by default on {device.type} (--use_compile 0/1 to choose)")
-    # FP32 master weights; bf16 (or fp16 + GradScaler) autocast on CUDA, fp32 on CPU. --parallel fsdp: each rank
-    # keeps a slice of the weights, gradients and AdamW moments, not a copy (trainer/sharding.py says how)
+    # FP32 master weights, bf16 (or fp16 + GradScaler) autocast on CUDA; fsdp: a slice per rank (sharding.py)
     model = shard_model(model, device, dtype, args) if args.parallel == "fsdp" else model.to(device)
     # fused: one kernel for all parameters, and it can skip a refused step on the device (step_numbers.py)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.01, fused=True)
@@ -166,7 +162,7 @@ def main() -> None:
                       tracker_ids=state["tracker_ids"] if state else {},
                       model_flops_per_token=flops_per_token(unwrap(model).num_parameters(), lm_config.num_hidden_layers,
                                                             lm_config.hidden_size, args.max_seq_len))
-    saver = BackgroundSaver(background=bool(args.async_save), pin_memory=use_cuda)  # only rank 0 writes
+    saver = BackgroundSaver(background=bool(args.async_save), pin_memory=use_cuda)  # rank 0 writes (fsdp: all)
     stop = StopRequest()  # SIGTERM / Ctrl-C: finish the step, save, exit 0
 
     def judge(p: dict) -> None:  # the guard's verdict on step p, from its numbers (read here, once)
