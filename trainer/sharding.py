@@ -41,13 +41,13 @@ def shard_model(model: torch.nn.Module, device: torch.device, dtype: torch.dtype
     if args.save_hf:
         raise ConfigError("--save_hf 1 needs the whole model on rank 0: with --parallel fsdp, export later with "
                           "scripts/consolidate_checkpoint.py and scripts/export_hf.py")
-    if not dist.is_initialized():
-        raise ConfigError("--parallel fsdp shards over the ranks torchrun starts: launch with "
-                          "torchrun --nproc_per_node N (N may be 1), or train with --parallel ddp")
     on_cuda = device.type == "cuda"
     if on_cuda and dtype == torch.float16:
         raise ConfigError("--parallel fsdp trains in bfloat16 or float32: pass --dtype bfloat16 (float16 needs "
                           "a sharded loss scaler, which this trainer does not have yet)")
+    if not dist.is_initialized():
+        raise ConfigError("--parallel fsdp shards over the ranks torchrun starts: launch with "
+                          "torchrun --nproc_per_node N (N may be 1), or train with --parallel ddp")
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     precision = MixedPrecisionPolicy()  # fp32 throughout: on the CPU
     if on_cuda:  # bf16: layers compute with bf16 copies of the gathered weights; gradients are reduced in fp32

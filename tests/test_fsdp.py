@@ -1,0 +1,257 @@
+"""--parallel fsdp: FSDP2 training and sharded checkpoints, with real torchrun/gloo processes on the CPU.
+
+What is proven: the same losses as DDP; a bit-identical resume on the same rank count; a checkpoint of 2
+ranks loaded on 3 holds exactly what was saved, and a run resumed on 3 then 1 trains each sample once with
+a continuous LR; a `_resume.pth` loads into FSDP and a sharded checkpoint into DDP; the files are verified,
+fall back, rotate and refuse a planted `.metadata`; the consolidation script gives the run's own FP16 file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from conftest import (PRETRAIN_RUN, REPO, Lines, assert_each_sample_once, assert_states_equal, child_env, events_of,
+                      free_port, resume_file, run_args, slice_jsonl, trace_of, train)
+from trainer import checkpoint_io as cio
+from trainer.checkpoint_io import CheckpointError, RunFiles
+from trainer.sharded_checkpoint import consolidate, read_metadata
+from trainer.trainer_utils import get_lr
+
+FSDP = ["--parallel", "fsdp"]
+WEIGHTS_AND_OPTIMIZER = ("model", "optimizer")
+
+
+def history(run_dir: Path) -> Path:
+    return run_dir / "ckpt" / f"{PRETRAIN_RUN}_history"
+
+
+def newest_state(run_dir: Path) -> dict:
+    """The newest checkpoint of the run as one `_resume.pth` state, whether it is sharded or not."""
+    latest = run_dir / "ckpt" / (run_dir / "ckpt" / f"{PRETRAIN_RUN}_latest.txt").read_text().strip()
+    return consolidate(latest) if latest.suffix == ".dcp" else torch.load(latest, weights_only=True)
+
+
+def loaded_on_fsdp(checkpoint: Path, nproc: int, tmp_path: Path) -> dict:
+    """What a model sharded over `nproc` ranks holds after loading `checkpoint` (tests/fsdp_worker.py)."""
+    out = tmp_path / f"loaded_{nproc}.pth"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+               str(free_port()), str(REPO / "tests" / "fsdp_worker.py"), str(checkpoint), str(out)]
+    result = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return torch.load(out, weights_only=True)
+
+
+def by_step(trace: list[dict], field: str) -> dict[int, float]:
+    return {r["step"]: r[field] for r in trace if r["rank"] == 0}
+
+
+def assert_lr_follows_the_data_position(trace: list[dict], num_samples: int, epochs: int) -> None:
+    """Each step's LR is the schedule's value at the position its window reaches, whatever the rank count."""
+    position, lrs = 0, by_step(trace, "lr")
+    for step in sorted(lrs):
+        position += sum(len(r["samples"]) for r in trace if r["step"] == step)
+        assert lrs[step] == pytest.approx(get_lr(position / (epochs * num_samples), 5e-4, 0.01), rel=1e-12), step
+
+
+def test_fsdp_gives_ddp_losses_and_resumes_bit_identically(tmp_path, pretrain_data):
+    # 37 samples, 1 x 2 ranks x 2 accumulation = 4 a step: 10 steps an epoch, 20 in two, the last one short.
+    # A low clip keeps clipping active, so the sharded norm is checked too.
+    common = ["--batch_size", "1", "--accumulation_steps", "2", "--epochs", "2", "--grad_clip", "0.5"]
+    runs = {name: tmp_path / name for name in ("ddp", "fsdp", "split")}
+    train("train_pretrain.py", 2, run_args(runs["ddp"], pretrain_data, *common), tmp_path)
+    train("train_pretrain.py", 2, run_args(runs["fsdp"], pretrain_data, *common, *FSDP), tmp_path)
+    train("train_pretrain.py", 2, run_args(runs["split"], pretrain_data, *common, *FSDP, "--max_steps", "9",
+                                           "--async_save", "0"), tmp_path)  # this save written before going on
+    train("train_pretrain.py", 2, run_args(runs["split"], pretrain_data, *common, *FSDP, "--from_resume", "1"),
+          tmp_path)
+
+    ddp, fsdp = trace_of(runs["ddp"]), trace_of(runs["fsdp"])
+    assert sorted(by_step(fsdp, "loss")) == list(range(1, 21))
+    for field in ("global_loss", "grad_norm"):
+        for step, value in by_step(ddp, field).items():
+            assert by_step(fsdp, field)[step] == pytest.approx(value, rel=1e-5), (field, step)
+    for name, tensor in resume_file(runs["ddp"])["model"].items():  # and where the weights end up
+        assert torch.allclose(newest_state(runs["fsdp"])["model"][name], tensor, rtol=1e-4, atol=1e-6), name
+
+    # Same rank count: the resumed run continues exactly, to the bit.
+    assert by_step(trace_of(runs["split"]), "global_loss") == by_step(fsdp, "global_loss")
+    assert events_of(runs["split"]) == [("resume", 9)]
+    assert_states_equal(newest_state(runs["split"]), newest_state(runs["fsdp"]))
+
+
+def test_a_sharded_checkpoint_reshards_from_two_to_three_to_one_rank_exactly(tmp_path, pretrain_data):
+    common = run_args(tmp_path, pretrain_data, "--batch_size", "2", "--epochs", "2", *FSDP)
+    train("train_pretrain.py", 2, [*common, "--max_steps", "5"], tmp_path)
+    saved = history(tmp_path) / "step_00000005.dcp"
+    manifest = json.loads(cio.manifest_path(saved).read_text())
+    assert set(manifest["files"]) == {p.name for p in saved.iterdir()} == {
+        "__0_0.distcp", "__1_0.distcp", ".metadata", "train_state.pth"}
+    assert manifest["torch"] == torch.__version__ and manifest["world_size"] == 2
+    # Loaded on 3 ranks (a vocabulary that 3 does not divide), FSDP holds exactly what 2 ranks saved.
+    assert_states_equal(loaded_on_fsdp(saved, 3, tmp_path), consolidate(saved), WEIGHTS_AND_OPTIMIZER)
+
+    on_three = train("train_pretrain.py", 3, [*common, "--max_steps", "5", "--from_resume", "1"], tmp_path)
+    assert "world size 2 -> 3: epoch step 5 -> 4, resuming at sample 20 of epoch 1 (exact;" in on_three.stdout
+    on_one = train("train_pretrain.py", 1, [*common, "--from_resume", "1"], tmp_path)
+    assert "world size 3 -> 1: epoch step 2 -> 6, resuming at sample 12 of epoch 2 (exact;" in on_one.stdout
+
+    trace = trace_of(tmp_path)
+    sizes = {r["step"]: r["world_size"] for r in trace}
+    assert sizes == {s: 2 if s <= 5 else 3 if s <= 10 else 1 for s in range(1, 24)}
+    assert_each_sample_once(trace, num_samples=37, epochs=2)
+    assert_lr_follows_the_data_position(trace, num_samples=37, epochs=2)
+    final = newest_state(tmp_path)
+    assert (final["epoch"], final["samples_consumed"], final["global_step"]) == (2, 0, 23)
+
+
+def test_a_run_switches_between_ddp_and_fsdp_on_resume_both_ways(tmp_path, pretrain_data):
+    # DDP on 2 ranks -> FSDP on 3: the single `_resume.pth` is sliced into the shards.
+    to_fsdp = run_args(tmp_path / "to_fsdp", pretrain_data, "--batch_size", "2", "--epochs", "1")
+    train("train_pretrain.py", 2, [*to_fsdp, "--max_steps", "4"], tmp_path)
+    single = tmp_path / "to_fsdp" / "ckpt" / f"{PRETRAIN_RUN}_resume.pth"
+    assert_states_equal(loaded_on_fsdp(single, 3, tmp_path), torch.load(single, weights_only=True),
+                        WEIGHTS_AND_OPTIMIZER)
+    train("train_pretrain.py", 3, [*to_fsdp, *FSDP, "--from_resume", "1"], tmp_path)
+    assert_each_sample_once(trace_of(tmp_path / "to_fsdp"), num_samples=37, epochs=1)
+    assert not single.exists()  # the newest checkpoint is a folder now; the link to the older file is gone
+    assert sorted(p.name for p in history(tmp_path / "to_fsdp").iterdir()) == [
+        "step_00000004.json", "step_00000004.pth", "step_00000008.dcp", "step_00000008.json"]  # 16 + 3 x 6 + 3
+
+    # FSDP on 2 ranks -> DDP on 3: the shards are put together on every rank.
+    to_ddp = run_args(tmp_path / "to_ddp", pretrain_data, "--batch_size", "2", "--epochs", "1")
+    train("train_pretrain.py", 2, [*to_ddp, *FSDP, "--max_steps", "4"], tmp_path)
+    sharded = newest_state(tmp_path / "to_ddp")
+    resumed = train("train_pretrain.py", 3, [*to_ddp, "--from_resume", "1", "--max_steps", "1"], tmp_path)
+    assert "step_00000004.dcp: world size 2 -> 3" in resumed.stdout
+    train("train_pretrain.py", 3, [*to_ddp, "--from_resume", "1"], tmp_path)
+    assert_each_sample_once(trace_of(tmp_path / "to_ddp"), num_samples=37, epochs=1)
+    assert sharded["global_step"] == 4 and resume_file(tmp_path / "to_ddp")["samples_consumed"] == 0
+
+
+# ---- the files of a sharded checkpoint, made once by a real 2-rank run ------------------------------
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory) -> Path:
+    """A 2-rank FSDP run of 5 steps saving every 2 (kept: steps 2, 4 and 5, written in the background)."""
+    run_dir = tmp_path_factory.mktemp("sharded")
+    data = slice_jsonl(REPO / "dataset" / "pretrain_demo.jsonl", run_dir / "pretrain.jsonl", 37)
+    train("train_pretrain.py", 2, run_args(run_dir, data, "--batch_size", "2", *FSDP, "--max_steps", "5",
+                                           "--save_interval", "2", "--keep_last", "3"), run_dir)
+    return run_dir
+
+
+@pytest.fixture
+def run_copy(sharded_run, tmp_path) -> Path:
+    shutil.copytree(sharded_run, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def test_sharded_checkpoints_rotate_and_the_newest_is_named_by_the_latest_pointer(run_copy):
+    names = sorted(p.name for p in history(run_copy).iterdir())
+    assert names == [f"step_0000000{s}.{kind}" for s in (2, 4, 5) for kind in ("dcp", "json")]
+    assert (run_copy / "ckpt" / f"{PRETRAIN_RUN}_latest.txt").read_text() == \
+        f"{PRETRAIN_RUN}_history/step_00000005.dcp\n"
+    assert not (run_copy / "ckpt" / f"{PRETRAIN_RUN}_resume.pth").exists()
+    for step in (2, 4, 5):
+        assert cio.verify(history(run_copy) / f"step_0000000{step}.dcp") is None
+    # What a save with --keep_last 2 does after writing step 5: the oldest folder goes, with its manifest.
+    removed = cio.rotate(RunFiles(run_copy / "ckpt", PRETRAIN_RUN), 2, history(run_copy) / "step_00000005.dcp")
+    assert removed == [history(run_copy) / "step_00000002.dcp"]
+    assert sorted(p.name for p in history(run_copy).iterdir()) == names[2:]
+
+
+def test_a_damaged_shard_or_a_missing_manifest_falls_back_to_the_older_checkpoint(run_copy):
+    files, log = RunFiles(run_copy / "ckpt", PRETRAIN_RUN), Lines()
+    shard = history(run_copy) / "step_00000005.dcp" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    cio.manifest_path(history(run_copy) / "step_00000004.dcp").unlink()  # as if killed before its manifest
+    state = cio.load_newest(files, None, log)
+    assert state["global_step"] == 2 and state["sharded_dir"].endswith("step_00000002.dcp")
+    assert any("SHA-256 of __1_0.distcp does not match" in line for line in log)
+    assert (files.failed_dir / "step_00000005.dcp").is_dir()  # moved aside with its manifest, not deleted
+    assert not (history(run_copy) / "step_00000004.dcp").exists()  # never a checkpoint: its space given back
+    assert (run_copy / "ckpt" / f"{PRETRAIN_RUN}_latest.txt").read_text().strip().endswith("step_00000002.dcp")
+
+
+class RunsCode:
+    """A pickle that would create a file when unpickled by a plain pickle.load."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_planted_metadata_under_a_forged_manifest_is_refused_without_running_it(run_copy):
+    newest, marker = history(run_copy) / "step_00000005.dcp", run_copy / "code_ran"
+    (newest / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
+    manifest_file = cio.manifest_path(newest)
+    manifest = json.loads(manifest_file.read_text())  # forged: the manifest says the planted file is right
+    manifest["files"][".metadata"] = {"size": (newest / ".metadata").stat().st_size,
+                                      "sha256": cio.sha256_of(newest / ".metadata")}
+    manifest_file.write_text(json.dumps(manifest))
+    assert cio.verify(newest) is None
+
+    with pytest.raises(CheckpointError, match=r"posix\.system is not a type of DCP's metadata|nothing in it is run"):
+        consolidate(newest)
+    log = Lines()
+    state = cio.load_newest(RunFiles(run_copy / "ckpt", PRETRAIN_RUN), None, log)
+    assert state["global_step"] == 4  # the planted one is moved aside; the older one is used
+    assert any("step_00000005.dcp" in line and "is refused" in line for line in log)
+    assert not marker.exists()
+
+
+def test_a_checkpoint_with_pickled_non_tensor_entries_is_refused(tmp_path):
+    folder = tmp_path / "step_00000001.dcp"
+    dcp.save({"model": {"w": torch.ones(2)}, "note": {"any": "object"}}, checkpoint_id=folder, no_dist=True)
+    with pytest.raises(CheckpointError, match="non-tensor entries"):
+        read_metadata(folder)
+
+
+def test_consolidation_writes_the_runs_own_fp16_file_and_a_resume_file(sharded_run, tmp_path):
+    newest = history(sharded_run) / "step_00000005.dcp"
+    out, resume = tmp_path / "weights.pth", tmp_path / "from_fsdp_resume.pth"
+    command = [sys.executable, str(REPO / "scripts" / "consolidate_checkpoint.py"), str(newest), "--out", str(out),
+               "--resume_out", str(resume)]
+    result = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    written = torch.load(out, weights_only=True)
+    gathered = torch.load(sharded_run / "out" / f"{PRETRAIN_RUN}.pth", weights_only=True)  # rank 0's, at step 5
+    assert written.keys() == gathered.keys()
+    assert all(torch.equal(written[k], gathered[k]) and written[k].dtype == torch.float16 for k in written)
+    assert written["lm_head.weight"].data_ptr() == written["model.embed_tokens.weight"].data_ptr()  # tied
+    assert cio.verify(resume) is None
+    assert_states_equal(torch.load(resume, weights_only=True), consolidate(newest))
+
+    again = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and "exists; it is left as it is" in again.stderr
+
+
+def test_fsdp_refuses_what_it_cannot_do_with_one_line_each():
+    from argparse import Namespace
+
+    from model.model import CausalLM, LMConfig
+    from trainer.resume_checks import ConfigError
+    from trainer.sharding import shard_model
+    model = CausalLM(LMConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                              num_key_value_heads=2))
+    flags = Namespace(save_hf=0, use_compile=0)
+    with pytest.raises(ConfigError, match="--save_hf 1 needs the whole model on rank 0"):
+        shard_model(model, torch.device("cpu"), torch.float32, Namespace(save_hf=1, use_compile=0))
+    with pytest.raises(ConfigError, match="pass --dtype bfloat16"):
+        shard_model(model, torch.device("cuda"), torch.float16, flags)  # refused before anything touches a GPU
+    with pytest.raises(ConfigError, match="launch with torchrun --nproc_per_node N"):
+        shard_model(model, torch.device("cpu"), torch.float32, flags)  # no process group: plain `python`
