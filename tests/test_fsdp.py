@@ -21,7 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import (PRETRAIN_RUN, REPO, Lines, assert_each_sample_once, assert_states_equal, child_env, events_of,
-                      free_port, resume_file, run_args, slice_jsonl, trace_of, train)
+                      free_port, metrics_of, resume_file, run_args, slice_jsonl, trace_of, train)
 from trainer import checkpoint_io as cio
 from trainer.checkpoint_io import CheckpointError, RunFiles
 from trainer.sharded_checkpoint import consolidate, read_metadata
@@ -142,11 +142,15 @@ def test_a_run_switches_between_ddp_and_fsdp_on_resume_both_ways(tmp_path, pretr
 
 @pytest.fixture(scope="module")
 def sharded_run(tmp_path_factory) -> Path:
-    """A 2-rank FSDP run of 5 steps saving every 2 (kept: steps 2, 4 and 5, written in the background)."""
+    """A 2-rank FSDP run of 6 steps saving every 2 in the background (kept: steps 2, 4 and 6). Step 3's loss is
+    made NaN: the run rolls back to step 2 and steps over that window. 5 validation samples, 3 on rank 0."""
     run_dir = tmp_path_factory.mktemp("sharded")
     data = slice_jsonl(REPO / "dataset" / "pretrain_demo.jsonl", run_dir / "pretrain.jsonl", 37)
-    train("train_pretrain.py", 2, run_args(run_dir, data, "--batch_size", "2", *FSDP, "--max_steps", "5",
-                                           "--save_interval", "2", "--keep_last", "3"), run_dir)
+    val = slice_jsonl(REPO / "dataset" / "val_demo.jsonl", run_dir / "val.jsonl", 5)
+    train("train_pretrain.py", 2, run_args(run_dir, data, "--batch_size", "2", *FSDP, "--max_steps", "6",
+                                           "--save_interval", "2", "--keep_last", "3", "--val_data", str(val),
+                                           "--eval_interval", "2", "--debug_inject", "nan:3",
+                                           "--on_anomaly", "rollback"), run_dir)
     return run_dir
 
 
@@ -156,23 +160,31 @@ def run_copy(sharded_run, tmp_path) -> Path:
     return tmp_path / "run"
 
 
+def test_a_sharded_run_rolls_back_to_its_checkpoint_and_validates_on_uneven_shares(sharded_run):
+    assert events_of(sharded_run) == [("anomaly", 3), ("rollback", 2)]
+    trace = trace_of(sharded_run)
+    assert {r["step"] for r in trace if r.get("skipped")} == {3}
+    validations = [r["step"] for r in metrics_of(sharded_run) if "val/loss" in r]
+    assert validations == [2, 4, 6]
+
+
 def test_sharded_checkpoints_rotate_and_the_newest_is_named_by_the_latest_pointer(run_copy):
     names = sorted(p.name for p in history(run_copy).iterdir())
-    assert names == [f"step_0000000{s}.{kind}" for s in (2, 4, 5) for kind in ("dcp", "json")]
+    assert names == [f"step_0000000{s}.{kind}" for s in (2, 4, 6) for kind in ("dcp", "json")]
     assert (run_copy / "ckpt" / f"{PRETRAIN_RUN}_latest.txt").read_text() == \
-        f"{PRETRAIN_RUN}_history/step_00000005.dcp\n"
+        f"{PRETRAIN_RUN}_history/step_00000006.dcp\n"
     assert not (run_copy / "ckpt" / f"{PRETRAIN_RUN}_resume.pth").exists()
-    for step in (2, 4, 5):
+    for step in (2, 4, 6):
         assert cio.verify(history(run_copy) / f"step_0000000{step}.dcp") is None
-    # What a save with --keep_last 2 does after writing step 5: the oldest folder goes, with its manifest.
-    removed = cio.rotate(RunFiles(run_copy / "ckpt", PRETRAIN_RUN), 2, history(run_copy) / "step_00000005.dcp")
+    # What a save with --keep_last 2 does after writing step 6: the oldest folder goes, with its manifest.
+    removed = cio.rotate(RunFiles(run_copy / "ckpt", PRETRAIN_RUN), 2, history(run_copy) / "step_00000006.dcp")
     assert removed == [history(run_copy) / "step_00000002.dcp"]
     assert sorted(p.name for p in history(run_copy).iterdir()) == names[2:]
 
 
 def test_a_damaged_shard_or_a_missing_manifest_falls_back_to_the_older_checkpoint(run_copy):
     files, log = RunFiles(run_copy / "ckpt", PRETRAIN_RUN), Lines()
-    shard = history(run_copy) / "step_00000005.dcp" / "__1_0.distcp"
+    shard = history(run_copy) / "step_00000006.dcp" / "__1_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
@@ -180,7 +192,7 @@ def test_a_damaged_shard_or_a_missing_manifest_falls_back_to_the_older_checkpoin
     state = cio.load_newest(files, None, log)
     assert state["global_step"] == 2 and state["sharded_dir"].endswith("step_00000002.dcp")
     assert any("SHA-256 of __1_0.distcp does not match" in line for line in log)
-    assert (files.failed_dir / "step_00000005.dcp").is_dir()  # moved aside with its manifest, not deleted
+    assert (files.failed_dir / "step_00000006.dcp").is_dir()  # moved aside with its manifest, not deleted
     assert not (history(run_copy) / "step_00000004.dcp").exists()  # never a checkpoint: its space given back
     assert (run_copy / "ckpt" / f"{PRETRAIN_RUN}_latest.txt").read_text().strip().endswith("step_00000002.dcp")
 
@@ -196,7 +208,7 @@ class RunsCode:
 
 
 def test_a_planted_metadata_under_a_forged_manifest_is_refused_without_running_it(run_copy):
-    newest, marker = history(run_copy) / "step_00000005.dcp", run_copy / "code_ran"
+    newest, marker = history(run_copy) / "step_00000006.dcp", run_copy / "code_ran"
     (newest / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
     manifest_file = cio.manifest_path(newest)
     manifest = json.loads(manifest_file.read_text())  # forged: the manifest says the planted file is right
@@ -210,7 +222,7 @@ def test_a_planted_metadata_under_a_forged_manifest_is_refused_without_running_i
     log = Lines()
     state = cio.load_newest(RunFiles(run_copy / "ckpt", PRETRAIN_RUN), None, log)
     assert state["global_step"] == 4  # the planted one is moved aside; the older one is used
-    assert any("step_00000005.dcp" in line and "is refused" in line for line in log)
+    assert any("step_00000006.dcp" in line and "is refused" in line for line in log)
     assert not marker.exists()
 
 
@@ -222,14 +234,14 @@ def test_a_checkpoint_with_pickled_non_tensor_entries_is_refused(tmp_path):
 
 
 def test_consolidation_writes_the_runs_own_fp16_file_and_a_resume_file(sharded_run, tmp_path):
-    newest = history(sharded_run) / "step_00000005.dcp"
+    newest = history(sharded_run) / "step_00000006.dcp"
     out, resume = tmp_path / "weights.pth", tmp_path / "from_fsdp_resume.pth"
     command = [sys.executable, str(REPO / "scripts" / "consolidate_checkpoint.py"), str(newest), "--out", str(out),
                "--resume_out", str(resume)]
     result = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     written = torch.load(out, weights_only=True)
-    gathered = torch.load(sharded_run / "out" / f"{PRETRAIN_RUN}.pth", weights_only=True)  # rank 0's, at step 5
+    gathered = torch.load(sharded_run / "out" / f"{PRETRAIN_RUN}.pth", weights_only=True)  # rank 0's, at step 6
     assert written.keys() == gathered.keys()
     assert all(torch.equal(written[k], gathered[k]) and written[k].dtype == torch.float16 for k in written)
     assert written["lm_head.weight"].data_ptr() == written["model.embed_tokens.weight"].data_ptr()  # tied
