@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from trainer import sharded_checkpoint
+from trainer.background_save import finish_saves
 from trainer.checkpoint_io import RunFiles
 from trainer.resume_checks import ConfigError
 
@@ -91,6 +92,7 @@ def save_sharded(files: RunFiles, state: dict, model: torch.nn.Module, optimizer
                  out_path: Path, keep_last: int, info: dict, saver, gather_weights: bool) -> Path:
     """lm_checkpoint's save on a sharded model, on every rank: `state` (the `_resume.pth` dict) with its
     model and optimizer written as slices by DCP and the rest once by rank 0 (sharded_checkpoint.py)."""
+    finish_saves(saver)  # one save at a time: the last one's thread is done with the save group, on every rank
     del state["model"], state["optimizer"]  # these are sharded: written from _sharded_tensors instead
     tensors = _sharded_tensors(model, optimizer)
     state["optimizer_param_groups"] = get_optimizer_state_dict(model, optimizer)["param_groups"]  # LR, betas...
