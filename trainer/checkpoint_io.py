@@ -161,6 +161,13 @@ def sha256_of(path: Path, cached: bool = False) -> str:
     return digest.hexdigest()
 
 
+def remember_hash(path: Path, sha256: str) -> None:
+    """Let sha256_of(path, cached=True) return `sha256` (computed while writing, or by the rank that wrote
+    the file) for as long as the file keeps its inode, size and mtime."""
+    st = os.stat(path)
+    _known_hashes[os.path.abspath(path)] = ((st.st_ino, st.st_size, st.st_mtime_ns), sha256)
+
+
 def save_verified(files: RunFiles, state: dict, step: int, keep_last: int, info: dict) -> Path:
     """Write `state` as the run's newest checkpoint, with `info` (epoch, samples...) in its manifest,
     then rotate old ones away. Raises CheckpointError (older checkpoints untouched) if anything fails."""
@@ -170,8 +177,7 @@ def save_verified(files: RunFiles, state: dict, step: int, keep_last: int, info:
         files.history_dir.mkdir(parents=True, exist_ok=True)
         size, sha = atomic_write(path, lambda f: torch.save(state, f))
         written = True
-        st = os.stat(path)  # the hash just computed while writing: rotation need not read the file back
-        _known_hashes[os.path.abspath(path)] = ((st.st_ino, st.st_size, st.st_mtime_ns), sha)
+        remember_hash(path, sha)  # the hash just computed while writing: rotation need not read the file back
         manifest = {"file": path.name, "size": size, "sha256": sha, "step": step, **info}
         atomic_write_text(manifest_path(path), json.dumps(manifest, indent=1) + "\n")
         check_written(path, size)

@@ -228,6 +228,8 @@ def _seal(files: RunFiles, directory: Path, wait: Callable[[], object], train_st
         return
     try:
         listed = {name: entry for files_of_rank, _ in everyone for name, entry in files_of_rank.items()}
+        for name, entry in listed.items():  # the other ranks' hashes: rotation need not read their files here
+            cio.remember_hash(directory / name, entry["sha256"])
         manifest = {"file": directory.name, "format": "dcp", "torch": torch.__version__,
                     "world_size": len(everyone), "step": info["global_step"], **info, "files": listed}
         cio.atomic_write_text(cio.manifest_path(directory), json.dumps(manifest, indent=1) + "\n")  # last
