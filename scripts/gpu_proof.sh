@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA path end to end on one GPU: pretrain and SFT with `python` and `torchrun --nproc_per_node 1`,
 # in bf16, fp16 (GradScaler), eager and compiled (the default on CUDA), a resume, the anomaly policy
-# with the deferred verdict and side-stream saves, then the speed targets' benchmark.
+# with the deferred verdict and side-stream saves, --parallel fsdp, then the speed targets' benchmark.
 #   bash scripts/gpu_proof.sh runs OUT_DIR     # training runs only (a few minutes)
 #   bash scripts/gpu_proof.sh bench OUT_DIR    # benchmarks only
 set -euo pipefail
@@ -28,6 +28,13 @@ if [ "$what" = runs ]; then
   step python trainer/train_full_sft.py "${size[@]}" --dtype bfloat16 --max_steps 40 --save_dir "$w" --checkpoint_dir "$ck"
   step torchrun --nproc_per_node 1 trainer/train_full_sft.py "${size[@]}" --dtype float16 --max_steps 20 --save_dir "$w" --checkpoint_dir "$ck" --from_resume 1
   step torchrun --nproc_per_node 1 trainer/train_full_sft.py "${size[@]}" --dtype bfloat16 --use_compile 1 --max_steps 40 --save_dir "$w" --checkpoint_dir "$out/sftcompiled"
+  # FSDP on CUDA: bf16 mixed precision over fp32 slices, each layer compiled, sharded saves; a DDP run's
+  # checkpoint continued under FSDP, then the sharded one continued under DDP and consolidated.
+  step torchrun --nproc_per_node 1 trainer/train_pretrain.py "${size[@]}" --parallel fsdp --dtype bfloat16 --max_steps 40 \
+    --on_anomaly rollback --debug_inject nan:15 --save_interval 10 --save_dir "$out/fsdp" --checkpoint_dir "$out/fsdpck"
+  step torchrun --nproc_per_node 1 trainer/train_pretrain.py "${size[@]}" --parallel fsdp --dtype bfloat16 --max_steps 20 --save_dir "$w" --checkpoint_dir "$ck" --from_resume 1
+  step python trainer/train_pretrain.py "${size[@]}" --dtype bfloat16 --max_steps 20 --save_dir "$w" --checkpoint_dir "$ck" --from_resume 1
+  step python scripts/consolidate_checkpoint.py "$(ls -d "$out"/fsdpck/*_history/step_*.dcp | tail -n 1)" --out "$out/fsdp_consolidated.pth"
 fi
 
 if [ "$what" = bench ]; then
