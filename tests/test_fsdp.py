@@ -129,12 +129,14 @@ def test_a_run_switches_between_ddp_and_fsdp_on_resume_both_ways(tmp_path, pretr
 
     # FSDP on 2 ranks -> DDP on 3: the shards are put together on every rank.
     to_ddp = run_args(tmp_path / "to_ddp", pretrain_data, "--batch_size", "2", "--epochs", "1")
-    train("train_pretrain.py", 2, [*to_ddp, *FSDP, "--max_steps", "4"], tmp_path)
+    train("train_pretrain.py", 2, [*to_ddp, *FSDP, "--max_steps", "4", "--gather_weights", "0"], tmp_path)
+    assert not (tmp_path / "to_ddp" / "out" / f"{PRETRAIN_RUN}.pth").exists()  # not gathered, as asked
     sharded = newest_state(tmp_path / "to_ddp")
     resumed = train("train_pretrain.py", 3, [*to_ddp, "--from_resume", "1"], tmp_path)
     assert "step_00000004.dcp: world size 2 -> 3" in resumed.stdout
     assert_each_sample_once(trace_of(tmp_path / "to_ddp"), num_samples=37, epochs=1)
     assert sharded["global_step"] == 4 and resume_file(tmp_path / "to_ddp")["samples_consumed"] == 0
+    assert (tmp_path / "to_ddp" / "out" / f"{PRETRAIN_RUN}.pth").is_file()  # DDP's saves write it again
 
 
 # ---- the files of a sharded checkpoint, made once by a real 2-rank run ------------------------------
