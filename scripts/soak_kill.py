@@ -3,6 +3,7 @@
     python -m scripts.soak_kill --kills 50 --seed 0 --workdir /tmp/soak --nproc 2
     python -m scripts.soak_kill --kills 30 --seed 2 --workdir /tmp/soak231 --nproc 2,3,1   # world sizes change
     python -m scripts.soak_kill --kills 30 --seed 3 --workdir /tmp/soak_sync --async_save 0  # synchronous saves
+    python -m scripts.soak_kill --kills 20 --seed 0 --workdir /tmp/soak_fsdp --nproc 2,3,1 --parallel fsdp  # sharded
 
 The job trains a tiny model on the CPU with `--from_resume 1` (it starts fresh when there is no
 checkpoint yet). tests/fault_injection/sitecustomize.py slows it down from the outside (FAULT_STEP_DELAY_S after each step,
@@ -42,6 +43,7 @@ if __package__ in (None, ""):  # run as a file: the repository, not this folder,
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from trainer.checkpoint_io import RunFiles, manifest_path
+from trainer.sharded_checkpoint import consolidate
 from scripts.run_files import TRAINING_STATE_FIELDS, state_differences
 from trainer.trainer_utils import REPO_ROOT
 
@@ -204,14 +206,16 @@ def phase_at_kill(files: RunFiles, out_dir: Path, since: float, trained: bool) -
     """What the job was doing when it died, read from the files this launch left behind."""
     if fresh(out_dir.glob("*.pth.partial-*.tmp"), since):
         return "saving: writing the FP16 weights"
-    if fresh(files.history_dir.glob("*.pth.partial-*.tmp"), since):
+    if fresh([*files.history_dir.glob("*.pth.partial-*.tmp"), *files.history_dir.glob("*.dcp/*")], since) and \
+            not fresh([p for p in files.history()[:1] if manifest_path(p).exists()], since):
         return "saving: writing checkpoint data"
     if fresh(files.history_dir.glob("*.json.partial-*.tmp"), since):
         return "saving: writing the manifest"
     newest = fresh(files.history()[:1], since)
     if newest and not manifest_path(newest[0]).exists():
         return "saving: data written, manifest not yet"
-    if newest and not (files.resume_link.exists() and os.path.samefile(files.resume_link, newest[0])):
+    if newest and newest[0].is_file() and not (files.resume_link.exists()
+                                               and os.path.samefile(files.resume_link, newest[0])):
         return "saving: verified, resume link not yet moved"
     pointer = files.latest_pointer.read_text().strip() if files.latest_pointer.exists() else ""
     if newest and pointer != f"{files.history_dir.name}/{newest[0].name}":
@@ -310,7 +314,8 @@ def kill_and_resume(make_command: MakeCommand, flags: list, env: dict, run_dir: 
         launcher = launch(make_command(flags), env, logs / f"launch_{number:03d}.log")
 
         def saving() -> bool:
-            temps = [*(run_dir / "out").glob("*.pth.partial-*.tmp"), *files.history_dir.glob("*.pth.partial-*.tmp")]
+            temps = [*(run_dir / "out").glob("*.pth.partial-*.tmp"), *files.history_dir.glob("*.pth.partial-*.tmp"),
+                     *files.history_dir.glob("*.dcp/*")]  # a sharded save's files, before its manifest exists
             return bool(fresh(temps, started))
 
         def training() -> bool:
@@ -358,9 +363,14 @@ def check_run(result: SoakResult, run_dir: Path, reference_dir: Path, num_sample
     result.sample_problems = check_each_sample_once(records, num_samples, epochs)
     result.final_compared = compare_final
     if compare_final:
-        final, reference = (torch.load(d / "ckpt" / "pretrain_32_resume.pth", weights_only=True)
-                            for d in (run_dir, reference_dir))
+        final, reference = (newest_state(d / "ckpt") for d in (run_dir, reference_dir))
         result.state_differences = compare_states(final, reference)
+
+
+def newest_state(checkpoint_dir: Path) -> dict:
+    """The newest checkpoint the latest pointer names, as one state (a sharded folder consolidated)."""
+    newest = checkpoint_dir / (checkpoint_dir / "pretrain_32_latest.txt").read_text().strip()
+    return consolidate(newest) if newest.is_dir() else torch.load(newest, weights_only=True)
 
 
 def soak(make_command: MakeCommand, workdir: Path, data: Path, *, kills: int, seed: int, epochs: int,
@@ -394,6 +404,7 @@ def main() -> None:
                    help="ranks per launch; a list such as 2,3,1 gives each launch the next size, round and round "
                         "(the final state is then not compared: another world size sums in another order)")
     p.add_argument("--async_save", type=int, default=1, choices=(0, 1), help="the trainer's --async_save")
+    p.add_argument("--parallel", default="ddp", choices=("ddp", "fsdp"), help="the trainer's --parallel")
     p.add_argument("--epochs", type=int, default=20, help="long enough that the job outlives the kills")
     p.add_argument("--samples", type=int, default=37, help="lines of the demo data (37: no batch divides it)")
     p.add_argument("--batch_size", type=int, default=2)
@@ -409,7 +420,7 @@ def main() -> None:
     data = args.workdir / "pretrain.jsonl"
     data.write_text("\n".join([line for line in lines if line.strip()][:args.samples]) + "\n", encoding="utf-8")
     sizes = itertools.cycle(int(n) for n in args.nproc.split(","))
-    save_mode = ["--async_save", str(args.async_save)]
+    save_mode = ["--async_save", str(args.async_save), "--parallel", args.parallel]
     result = soak(lambda flags: torchrun_command(next(sizes), [*TINY_MODEL, *save_mode, *flags]), args.workdir, data,
                   kills=args.kills, seed=args.seed, epochs=args.epochs, num_samples=args.samples,
                   batch_size=args.batch_size, save_interval=args.save_interval, max_wait_s=args.max_wait_s,
