@@ -18,22 +18,30 @@ tensors) and a sharded checkpoint into a plain (DDP) model (consolidated first),
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from trainer import sharded_checkpoint
 from trainer.background_save import finish_saves
 from trainer.checkpoint_io import RunFiles
 from trainer.resume_checks import ConfigError
+
+# FSDP, DTensor and DCP take almost a second to import, in every process: a DDP run never imports them.
+# Each function that needs them imports them, from here:
+
+
+def _fsdp():
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.state_dict as state_dict
+    import torch.distributed.fsdp as fsdp
+
+    from trainer import sharded_checkpoint
+    return fsdp, state_dict, dcp, sharded_checkpoint
 
 
 def shard_model(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, args) -> torch.nn.Module:
@@ -49,20 +57,22 @@ def shard_model(model: torch.nn.Module, device: torch.device, dtype: torch.dtype
     if not dist.is_initialized():
         raise ConfigError("--parallel fsdp shards over the ranks torchrun starts: launch with "
                           "torchrun --nproc_per_node N (N may be 1), or train with --parallel ddp")
+    fsdp, _, _, _ = _fsdp()
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    precision = MixedPrecisionPolicy()  # fp32 throughout: on the CPU
+    precision = fsdp.MixedPrecisionPolicy()  # fp32 throughout: on the CPU
     if on_cuda:  # bf16: layers compute with bf16 copies of the gathered weights; gradients are reduced in fp32
-        precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        precision = fsdp.MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for layer in model.model.layers:
         if args.use_compile:
             layer.compile(backend=args.compile_backend)
-        fully_shard(layer, mesh=mesh, mp_policy=precision)  # moves the layer to `device`, then keeps a slice
-    fully_shard(model, mesh=mesh, mp_policy=precision)
+        fsdp.fully_shard(layer, mesh=mesh, mp_policy=precision)  # moves the layer to `device`, keeps a slice
+    fsdp.fully_shard(model, mesh=mesh, mp_policy=precision)
     return model
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing was sharded in this process
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
 @contextmanager
@@ -82,23 +92,26 @@ def no_sync(model: torch.nn.Module) -> Iterator[None]:
 def _sharded_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """This rank's slices of the weights and AdamW's state, keyed by parameter name (the tied lm_head once:
     as the embedding). On a fresh optimizer, torch first creates its state with a zero-LR step."""
-    weights = get_model_state_dict(model)
+    _, state_dict, _, _ = _fsdp()
+    weights = state_dict.get_model_state_dict(model)
     if model.lm_head.weight is model.model.embed_tokens.weight:
         del weights["lm_head.weight"]
-    return {"model": weights, "optimizer": get_optimizer_state_dict(model, optimizer)["state"]}
+    return {"model": weights, "optimizer": state_dict.get_optimizer_state_dict(model, optimizer)["state"]}
 
 
 def save_sharded(files: RunFiles, state: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  out_path: Path, keep_last: int, info: dict, saver, gather_weights: bool) -> Path:
     """lm_checkpoint's save on a sharded model, on every rank: `state` (the `_resume.pth` dict) with its
     model and optimizer written as slices by DCP and the rest once by rank 0 (sharded_checkpoint.py)."""
+    _, state_dict, _, sharded_checkpoint = _fsdp()
     finish_saves(saver)  # one save at a time: the last one's thread is done with the save group, on every rank
     del state["model"], state["optimizer"]  # these are sharded: written from _sharded_tensors instead
     tensors = _sharded_tensors(model, optimizer)
-    state["optimizer_param_groups"] = get_optimizer_state_dict(model, optimizer)["param_groups"]  # LR, betas...
+    state["optimizer_param_groups"] = state_dict.get_optimizer_state_dict(model, optimizer)["param_groups"]
     weights = None
     if gather_weights:  # collective: every rank sends its slices, rank 0 receives the full CPU tensors
-        weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        full = state_dict.StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = state_dict.get_model_state_dict(model, options=full)
         if weights and model.lm_head.weight is model.model.embed_tokens.weight:
             weights["lm_head.weight"] = weights["model.embed_tokens.weight"]  # the file holds it once
     return sharded_checkpoint.save(files, info["global_step"], tensors, state, weights, out_path, info, keep_last,
@@ -108,6 +121,7 @@ def save_sharded(files: RunFiles, state: dict, model: torch.nn.Module, optimizer
 def restore(state: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Weights and AdamW state from `state` (a sharded checkpoint's, or a full `_resume.pth`) into `model`
     (sharded or plain)."""
+    _, state_dict, dcp, sharded_checkpoint = _fsdp()
     if not is_sharded(model):  # DDP or one process: the whole state on every rank, as from a `_resume.pth`
         full = sharded_checkpoint.consolidate(Path(state["sharded_dir"]))
         model.load_state_dict(full["model"], strict=True)
@@ -119,17 +133,17 @@ def restore(state: dict, model: torch.nn.Module, optimizer: torch.optim.Optimize
         weights = tensors["model"]
         if model.lm_head.weight is model.model.embed_tokens.weight:  # the tied head is loaded with the embedding
             weights = {**weights, "lm_head.weight": weights["model.embed_tokens.weight"]}
-        set_model_state_dict(model, weights)
-        set_optimizer_state_dict(model, optimizer, {"state": tensors["optimizer"],
-                                                    "param_groups": state["optimizer_param_groups"]})
+        state_dict.set_model_state_dict(model, weights)
+        state_dict.set_optimizer_state_dict(model, optimizer, {"state": tensors["optimizer"],
+                                                               "param_groups": state["optimizer_param_groups"]})
         return
     # A single `_resume.pth` (from a DDP run): every rank holds the full tensors and keeps its slice. The
     # optimizer's state is keyed by parameter number there; the number is the position in parameters().
     names = [name for name, _ in model.named_parameters()]
-    full = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, state["model"], options=full)
+    full = state_dict.StateDictOptions(full_state_dict=True)
+    state_dict.set_model_state_dict(model, state["model"], options=full)
     saved = state["optimizer"]
-    set_optimizer_state_dict(model, optimizer, {
+    state_dict.set_optimizer_state_dict(model, optimizer, {
         "state": {names[number]: value for number, value in saved["state"].items()},
         "param_groups": [{**group, "params": [names[n] for n in group["params"]]} for group in saved["param_groups"]]},
         options=full)

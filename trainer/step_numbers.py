@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 # The order of the values in the reduced and copied vector.
 FIELDS = ("loss_sum", "stop", "input_tokens", "save_failed", "tokens", "local_loss_sum", "local_tokens",
@@ -34,7 +33,7 @@ class StepNumbers:
     def __init__(self, loss_sum: torch.Tensor, global_tokens: torch.Tensor, local_tokens: torch.Tensor,
                  grad_norm: torch.Tensor, *, input_tokens: int, stop: bool, save_failed: bool, step: int):
         device = loss_sum.device
-        if isinstance(grad_norm, DTensor):  # FSDP: the norm of all slices, the same on every rank
+        if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor, the norm of all slices, the same on every rank
             grad_norm = grad_norm.full_tensor()
         flags = torch.tensor([float(stop), float(input_tokens), float(save_failed)], dtype=torch.float64)
         shared = torch.cat([loss_sum.view(1), flags.to(device, non_blocking=True)])  # a copy: loss_sum stays local
