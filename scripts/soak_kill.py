@@ -219,7 +219,7 @@ def phase_at_kill(files: RunFiles, out_dir: Path, since: float, trained: bool) -
         return "saving: verified, resume link not yet moved"
     pointer = files.latest_pointer.read_text().strip() if files.latest_pointer.exists() else ""
     if newest and pointer != f"{files.history_dir.name}/{newest[0].name}":
-        return "saving: resume link moved, latest pointer not yet"
+        return f"saving: {'resume link moved' if newest[0].is_file() else 'manifest written'}, latest pointer not yet"
     return "training" if trained else "starting (no step trained yet)"
 
 
