@@ -3,7 +3,7 @@
     python -m scripts.soak_kill --kills 50 --seed 0 --workdir /tmp/soak --nproc 2
     python -m scripts.soak_kill --kills 30 --seed 2 --workdir /tmp/soak231 --nproc 2,3,1   # world sizes change
     python -m scripts.soak_kill --kills 30 --seed 3 --workdir /tmp/soak_sync --async_save 0  # synchronous saves
-    python -m scripts.soak_kill --kills 20 --seed 0 --workdir /tmp/soak_fsdp --nproc 2,3,1 --parallel fsdp  # sharded
+    python -m scripts.soak_kill --kills 12 --seed 0 --workdir /tmp/sf --nproc 2,3,1 --parallel fsdp
 
 The job trains a tiny model on the CPU with `--from_resume 1` (it starts fresh when there is no
 checkpoint yet). tests/fault_injection/sitecustomize.py slows it down from the outside (FAULT_STEP_DELAY_S after each step,
