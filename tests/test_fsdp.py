@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 
 from conftest import (PRETRAIN_RUN, REPO, Lines, assert_each_sample_once, assert_states_equal, child_env, events_of,
                       free_port, metrics_of, resume_file, run_args, slice_jsonl, trace_of, train)
+from scripts import consolidate_checkpoint
 from trainer import checkpoint_io as cio
 from trainer.checkpoint_io import CheckpointError, RunFiles
 from trainer.sharded_checkpoint import consolidate, read_metadata
@@ -41,14 +42,15 @@ def newest_state(run_dir: Path) -> dict:
     return consolidate(latest) if latest.suffix == ".dcp" else torch.load(latest, weights_only=True)
 
 
-def loaded_on_fsdp(checkpoint: Path, nproc: int, tmp_path: Path) -> dict:
-    """What a model sharded over `nproc` ranks holds after loading `checkpoint` (tests/fsdp_worker.py)."""
-    out = tmp_path / f"loaded_{nproc}.pth"
+def loaded_on_fsdp(checkpoints: list[Path], nproc: int, tmp_path: Path) -> list[dict]:
+    """What a model sharded over `nproc` ranks holds after loading each checkpoint (tests/fsdp_worker.py)."""
+    outs = [tmp_path / f"loaded_{i}.pth" for i in range(len(checkpoints))]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-               str(free_port()), str(REPO / "tests" / "fsdp_worker.py"), str(checkpoint), str(out)]
+               str(free_port()), str(REPO / "tests" / "fsdp_worker.py"),
+               *(str(path) for pair in zip(checkpoints, outs) for path in pair)]
     result = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-4000:]
-    return torch.load(out, weights_only=True)
+    return [torch.load(out, weights_only=True) for out in outs]
 
 
 def by_step(trace: list[dict], field: str) -> dict[int, float]:
@@ -71,7 +73,8 @@ def test_fsdp_gives_ddp_losses_and_resumes_bit_identically(tmp_path, pretrain_da
     train("train_pretrain.py", 2, run_args(runs["ddp"], pretrain_data, *common), tmp_path)
     train("train_pretrain.py", 2, run_args(runs["fsdp"], pretrain_data, *common, *FSDP), tmp_path)
     train("train_pretrain.py", 2, run_args(runs["split"], pretrain_data, *common, *FSDP, "--max_steps", "9",
-                                           "--async_save", "0"), tmp_path)  # this save written before going on
+                                           "--async_save", "0", "--gather_weights", "0"), tmp_path)
+    assert not (runs["split"] / "out" / f"{PRETRAIN_RUN}.pth").exists()  # not gathered, as asked
     train("train_pretrain.py", 2, run_args(runs["split"], pretrain_data, *common, *FSDP, "--from_resume", "1"),
           tmp_path)
 
@@ -89,7 +92,7 @@ def test_fsdp_gives_ddp_losses_and_resumes_bit_identically(tmp_path, pretrain_da
     assert_states_equal(newest_state(runs["split"]), newest_state(runs["fsdp"]))
 
 
-def test_a_sharded_checkpoint_reshards_from_two_to_three_to_one_rank_exactly(tmp_path, pretrain_data):
+def test_checkpoints_reshard_two_three_one_and_switch_between_ddp_and_fsdp_exactly(tmp_path, pretrain_data):
     common = run_args(tmp_path, pretrain_data, "--batch_size", "2", "--epochs", "2", *FSDP)
     train("train_pretrain.py", 2, [*common, "--max_steps", "5"], tmp_path)
     saved = history(tmp_path) / "step_00000005.dcp"
@@ -97,14 +100,22 @@ def test_a_sharded_checkpoint_reshards_from_two_to_three_to_one_rank_exactly(tmp
     assert set(manifest["files"]) == {p.name for p in saved.iterdir()} == {
         "__0_0.distcp", "__1_0.distcp", ".metadata", "train_state.pth"}
     assert manifest["torch"] == torch.__version__ and manifest["world_size"] == 2
-    # Loaded on 3 ranks (a vocabulary that 3 does not divide), FSDP holds exactly what 2 ranks saved.
-    assert_states_equal(loaded_on_fsdp(saved, 3, tmp_path), consolidate(saved), WEIGHTS_AND_OPTIMIZER)
+    shutil.copytree(tmp_path / "ckpt", tmp_path / "to_ddp" / "ckpt")  # the same checkpoint, resumed by DDP below
+    to_fsdp = run_args(tmp_path / "to_fsdp", pretrain_data, "--batch_size", "2", "--epochs", "1")
+    train("train_pretrain.py", 2, [*to_fsdp, "--max_steps", "4"], tmp_path)  # DDP: a single _resume.pth
+    single = tmp_path / "to_fsdp" / "ckpt" / f"{PRETRAIN_RUN}_resume.pth"
 
+    # Loaded on 3 ranks (a vocabulary that 3 does not divide), FSDP holds exactly what 2 ranks saved: the
+    # sharded folder, and the DDP run's single file.
+    from_folder, from_file = loaded_on_fsdp([saved, single], 3, tmp_path)
+    assert_states_equal(from_folder, consolidate(saved), WEIGHTS_AND_OPTIMIZER)
+    assert_states_equal(from_file, torch.load(single, weights_only=True), WEIGHTS_AND_OPTIMIZER)
+
+    # FSDP 2 -> 3 -> 1 ranks.
     on_three = train("train_pretrain.py", 3, [*common, "--max_steps", "5", "--from_resume", "1"], tmp_path)
     assert "world size 2 -> 3: epoch step 5 -> 4, resuming at sample 20 of epoch 1 (exact;" in on_three.stdout
     on_one = train("train_pretrain.py", 1, [*common, "--from_resume", "1"], tmp_path)
     assert "world size 3 -> 1: epoch step 2 -> 6, resuming at sample 12 of epoch 2 (exact;" in on_one.stdout
-
     trace = trace_of(tmp_path)
     sizes = {r["step"]: r["world_size"] for r in trace}
     assert sizes == {s: 2 if s <= 5 else 3 if s <= 10 else 1 for s in range(1, 24)}
@@ -113,14 +124,7 @@ def test_a_sharded_checkpoint_reshards_from_two_to_three_to_one_rank_exactly(tmp
     final = newest_state(tmp_path)
     assert (final["epoch"], final["samples_consumed"], final["global_step"]) == (2, 0, 23)
 
-
-def test_a_run_switches_between_ddp_and_fsdp_on_resume_both_ways(tmp_path, pretrain_data):
     # DDP on 2 ranks -> FSDP on 3: the single `_resume.pth` is sliced into the shards.
-    to_fsdp = run_args(tmp_path / "to_fsdp", pretrain_data, "--batch_size", "2", "--epochs", "1")
-    train("train_pretrain.py", 2, [*to_fsdp, "--max_steps", "4"], tmp_path)
-    single = tmp_path / "to_fsdp" / "ckpt" / f"{PRETRAIN_RUN}_resume.pth"
-    assert_states_equal(loaded_on_fsdp(single, 3, tmp_path), torch.load(single, weights_only=True),
-                        WEIGHTS_AND_OPTIMIZER)
     train("train_pretrain.py", 3, [*to_fsdp, *FSDP, "--from_resume", "1"], tmp_path)
     assert_each_sample_once(trace_of(tmp_path / "to_fsdp"), num_samples=37, epochs=1)
     assert not single.exists()  # the newest checkpoint is a folder now; the link to the older file is gone
@@ -128,15 +132,14 @@ def test_a_run_switches_between_ddp_and_fsdp_on_resume_both_ways(tmp_path, pretr
         "step_00000004.json", "step_00000004.pth", "step_00000008.dcp", "step_00000008.json"]  # 16 + 3 x 6 + 3
 
     # FSDP on 2 ranks -> DDP on 3: the shards are put together on every rank.
-    to_ddp = run_args(tmp_path / "to_ddp", pretrain_data, "--batch_size", "2", "--epochs", "1")
-    train("train_pretrain.py", 2, [*to_ddp, *FSDP, "--max_steps", "4", "--gather_weights", "0"], tmp_path)
-    assert not (tmp_path / "to_ddp" / "out" / f"{PRETRAIN_RUN}.pth").exists()  # not gathered, as asked
-    sharded = newest_state(tmp_path / "to_ddp")
+    to_ddp = run_args(tmp_path / "to_ddp", pretrain_data, "--batch_size", "2", "--epochs", "2")
+    (tmp_path / "to_ddp" / "trace.jsonl").write_text("".join(
+        json.dumps(r) + "\n" for r in trace if r["step"] <= 5))  # the trace of the steps it resumes after
     resumed = train("train_pretrain.py", 3, [*to_ddp, "--from_resume", "1"], tmp_path)
-    assert "step_00000004.dcp: world size 2 -> 3" in resumed.stdout
-    assert_each_sample_once(trace_of(tmp_path / "to_ddp"), num_samples=37, epochs=1)
-    assert sharded["global_step"] == 4 and resume_file(tmp_path / "to_ddp")["samples_consumed"] == 0
-    assert (tmp_path / "to_ddp" / "out" / f"{PRETRAIN_RUN}.pth").is_file()  # DDP's saves write it again
+    assert "step_00000005.dcp: world size 2 -> 3" in resumed.stdout
+    assert_each_sample_once(trace_of(tmp_path / "to_ddp"), num_samples=37, epochs=2)
+    assert resume_file(tmp_path / "to_ddp")["global_step"] == 5 + 3 + 7  # 17 left in epoch 1, 37 in 2: steps of 6
+    assert (tmp_path / "to_ddp" / "out" / f"{PRETRAIN_RUN}.pth").is_file()
 
 
 # ---- the files of a sharded checkpoint, made once by a real 2-rank run ------------------------------
@@ -234,13 +237,11 @@ def test_a_checkpoint_with_pickled_non_tensor_entries_is_refused(tmp_path):
         read_metadata(folder)
 
 
-def test_consolidation_writes_the_runs_own_fp16_file_and_a_resume_file(sharded_run, tmp_path):
+def test_consolidation_writes_the_runs_own_fp16_file_and_a_resume_file(sharded_run, tmp_path, capsys):
     newest = history(sharded_run) / "step_00000006.dcp"
     out, resume = tmp_path / "weights.pth", tmp_path / "from_fsdp_resume.pth"
-    command = [sys.executable, str(REPO / "scripts" / "consolidate_checkpoint.py"), str(newest), "--out", str(out),
-               "--resume_out", str(resume)]
-    result = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
+    command = [str(newest), "--out", str(out), "--resume_out", str(resume)]
+    assert consolidate_checkpoint.main(command) == 0
     written = torch.load(out, weights_only=True)
     gathered = torch.load(sharded_run / "out" / f"{PRETRAIN_RUN}.pth", weights_only=True)  # rank 0's, at step 6
     assert written.keys() == gathered.keys()
@@ -249,8 +250,8 @@ def test_consolidation_writes_the_runs_own_fp16_file_and_a_resume_file(sharded_r
     assert cio.verify(resume) is None
     assert_states_equal(torch.load(resume, weights_only=True), consolidate(newest))
 
-    again = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=120)
-    assert again.returncode == 2 and "exists; it is left as it is" in again.stderr
+    assert consolidate_checkpoint.main(command) == 2
+    assert "exists; it is left as it is" in capsys.readouterr().err
 
 
 def test_fsdp_refuses_what_it_cannot_do_with_one_line_each():
