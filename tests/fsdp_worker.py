@@ -4,7 +4,8 @@ AdamW moment holds, gathered into one `_resume.pth`-shaped file (model, optimize
     torchrun --nproc_per_node 3 tests/fsdp_worker.py CHECKPOINT OUT.pth [CHECKPOINT OUT.pth ...]
 
 Each CHECKPOINT (a sharded checkpoint's folder or a single `_resume.pth`) is loaded into a fresh model. A test
-compares each OUT.pth with its checkpoint itself: what FSDP holds after loading must be exactly what was saved, on any rank count.
+compares each OUT.pth with its checkpoint: what FSDP holds after loading must be exactly what was saved, on any
+rank count.
 """
 
 import sys
