@@ -29,7 +29,7 @@ import torch
 if __package__ in (None, ""):  # run as a file: the repository, not this folder, goes first on the import path
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from trainer.checkpoint_io import CheckpointError, load_trusted
+from trainer.hardening.checkpoint_io import CheckpointError, load_trusted
 
 # Scalars of a resume file that say where the run stands; all must agree.
 RESUME_SCALARS = ("epoch", "step", "global_step", "samples_consumed", "world_size", "lr")

@@ -20,9 +20,9 @@ if __package__ in (None, ""):  # run as a file (python scripts/x.py): make the r
 
 import torch
 
-from trainer import checkpoint_io
-from trainer.checkpoint_io import CheckpointError
-from trainer.sharded_checkpoint import consolidate
+from trainer.hardening import checkpoint_io
+from trainer.hardening.checkpoint_io import CheckpointError
+from trainer.hardening.sharded_checkpoint import consolidate
 
 
 def main(argv: list[str] | None = None) -> int:

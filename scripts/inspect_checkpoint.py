@@ -26,7 +26,7 @@ if __package__ in (None, ""):  # run as a file: the repository, not this folder,
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from model.hf import infer_sizes, size_flags
-from trainer.checkpoint_io import CheckpointError, RunFiles, load_trusted, manifest_path, verify
+from trainer.hardening.checkpoint_io import CheckpointError, RunFiles, load_trusted, manifest_path, verify
 
 
 # ---- small helpers --------------------------------------------------------------------------

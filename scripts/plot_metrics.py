@@ -3,7 +3,7 @@
 Three panels share the step axis. Validation loss (if any) is drawn over the training loss;
 dashed vertical lines mark where the run was resumed, dotted red ones where an anomaly was seen.
 Uses matplotlib's Agg renderer, so it works on a machine without a display (over ssh, in CI).
-The file's fields are described in trainer/metrics_files.py; a non-finite value is stored as null
+The file's fields are described in trainer/hardening/metrics_files.py; a non-finite value is stored as null
 and drawn as a gap.
 
     python scripts/plot_metrics.py out/pretrain_512_metrics.jsonl -o curves.png
@@ -22,7 +22,7 @@ from matplotlib.figure import Figure
 if __package__ in (None, ""):  # run as a file: the repository, not this folder, goes first on the import path
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from trainer.metrics_files import is_train_record, read_metrics
+from trainer.hardening.metrics_files import is_train_record, read_metrics
 
 METRICS_SUFFIX = "_metrics.jsonl"
 

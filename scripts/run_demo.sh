@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Ctrl-C reaches every process in the foreground: a training script finishes its step, saves and exits 0
-# (trainer/stopping.py); any other stage dies of it, and bash then runs this trap. Either way the demo stops
+# (trainer/hardening/stopping.py); any other stage dies of it, and bash then runs this trap. Either way the demo stops
 # there instead of starting the next stage from half-trained weights.
 interrupted() { echo "== interrupted (Ctrl-C): the demo stops here, before the next stage (a training stage that was running saved a checkpoint; its \"To continue:\" line above resumes it)" >&2; exit 130; }
 trap interrupted INT

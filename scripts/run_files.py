@@ -3,7 +3,7 @@
     status files      read_status (checks the fields every status file has), list_runs
     resume states     state_differences: two checkpoints compared bit for bit, structure first
 
-The trainer itself only writes these files (trainer/metrics_files.py, trainer/checkpoint_io.py).
+The trainer itself only writes these files (trainer/hardening/metrics_files.py, trainer/hardening/checkpoint_io.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-# The fields every status file has (see trainer/metrics_files.py); readers check for them.
+# The fields every status file has (see trainer/hardening/metrics_files.py); readers check for them.
 STATUS_FIELDS = ("job_id", "status", "current_step", "total_steps", "anomaly_detected", "anomaly_reason",
                  "latest_metrics")
 
@@ -39,7 +39,7 @@ def read_status(path: str | Path) -> dict:
 
 
 # What a resumed run must reproduce bit for bit on the same world size: weights, optimizer, scaler,
-# every rank's RNG and the data position. Tests and scripts/soak_kill.py judge resumes by it.
+# every rank's RNG and the data position. Tests and benchmarks/soak_kill.py judge resumes by it.
 TRAINING_STATE_FIELDS = ("model", "optimizer", "scaler", "rng", "epoch", "step", "global_step", "samples_consumed")
 
 

@@ -1,7 +1,7 @@
 """Follow a training run from its metrics directory: one screen, refreshed until the run ends.
 
 It reads only the two files `MetricsFileWriter` leaves (`{run}_status.json`, `{run}_metrics.jsonl`;
-their fields are described in trainer/metrics_files.py), so it needs no access to the training
+their fields are described in trainer/hardening/metrics_files.py), so it needs no access to the training
 process and works wherever the files are visible:
 
     python scripts/watch_run.py out                         # the only run in out/ (the default --metrics_dir)
@@ -34,14 +34,14 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: the repository, not this folder, goes first on the import path
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from trainer.tracking import format_duration
+from trainer.hardening.tracking import format_duration
 from scripts.run_files import list_runs, read_status
-from trainer.metrics_files import is_train_record, metrics_path, read_metrics, status_path
-from trainer.resume_checks import ConfigError
-from trainer.run_lock import describe, pid_alive, read_lock
+from trainer.hardening.metrics_files import is_train_record, metrics_path, read_metrics, status_path
+from trainer.hardening.resume_checks import ConfigError
+from trainer.hardening.run_lock import describe, pid_alive, read_lock
 
 STALE_AFTER_S = 300  # a status file without a heartbeat: not written for this long, the job may be dead or hung
-DEAD_AFTER_BEATS = 4  # missed heartbeats after which the process is gone or frozen (as trainer/run_lock.py judges)
+DEAD_AFTER_BEATS = 4  # missed heartbeats after which the process is gone or frozen (as trainer/hardening/run_lock.py judges)
 STUCK_AFTER_S, STUCK_AFTER_STEPS = 300, 10  # no step for max(this, this many typical steps): stuck
 SLOW_AFTER_STEPS = 3  # the last step older than this many typical steps: slow
 BAR_WIDTH = 30

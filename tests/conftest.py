@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from scripts.run_files import TRAINING_STATE_FIELDS, state_differences
-from trainer import checkpoint_io as cio
-from trainer.checkpoint_io import RunFiles
+from trainer.hardening import checkpoint_io as cio
+from trainer.hardening.checkpoint_io import RunFiles
 
 REPO = Path(__file__).resolve().parent.parent
 FAULT_INJECTION_DIR = REPO / "tests" / "fault_injection"
@@ -153,13 +153,13 @@ def history_file(run_dir: Path, step: int, name: str = PRETRAIN_RUN) -> dict:
 def status_of(run_dir: Path, name: str = PRETRAIN_RUN) -> dict:
     """The run's `{name}_status.json` under `run_dir/metrics`."""
     from scripts.run_files import read_status
-    from trainer.metrics_files import status_path
+    from trainer.hardening.metrics_files import status_path
     return read_status(status_path(run_dir / "metrics", name))
 
 
 def metrics_of(run_dir: Path, name: str = PRETRAIN_RUN) -> list[dict]:
     """Every record of the run's `{name}_metrics.jsonl` under `run_dir/metrics`, in file order."""
-    from trainer.metrics_files import metrics_path, read_metrics
+    from trainer.hardening.metrics_files import metrics_path, read_metrics
     return read_metrics(metrics_path(run_dir / "metrics", name))
 
 

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 from model.model import CausalLM, LMConfig
-from trainer import sharding
-from trainer.checkpoint_io import load_trusted
+from trainer.hardening import sharding
+from trainer.hardening.checkpoint_io import load_trusted
 
 dist.init_process_group("gloo")
 for checkpoint, out in zip(map(Path, sys.argv[1::2]), map(Path, sys.argv[2::2])):

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from conftest import FAULT_INJECTION_DIR, TINY_MODEL, child_env, launch_command, read_trace, train, wait_until
-from scripts.soak_kill import kill_job
-from trainer.checkpoint_io import RunFiles, manifest_path, verify
+from benchmarks.soak_kill import kill_job
+from trainer.hardening.checkpoint_io import RunFiles, manifest_path, verify
 
 
 def job_args(tmp_path: Path, data: Path, *extra: str) -> list[str]:

@@ -1,7 +1,7 @@
 """Checkpoint files that survive truncation, flipped bits, hostile pickles, a full disk, unreadable
 files, obstructions and debris.
 
-Direct calls of trainer/checkpoint_io.py on small states, and at the end two real training processes
+Direct calls of trainer/hardening/checkpoint_io.py on small states, and at the end two real training processes
 (a resume past a damaged checkpoint, an obstruction found at start); the kill -9 tests with real torchrun
 jobs are in test_fault_injection.py.
 """
@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from conftest import PRETRAIN_RUN, REPO, Lines, assert_exit_code, child_env, run_args, save, small_state, train
-from trainer import checkpoint_io as cio
-from trainer.checkpoint_io import CheckpointError, RunFiles
+from trainer.hardening import checkpoint_io as cio
+from trainer.hardening.checkpoint_io import CheckpointError, RunFiles
 
 
 def names(directory: Path, pattern: str) -> list[str]:
@@ -334,7 +334,7 @@ RESUME_AS_ANOTHER_USER = """
 import io, json, os, pathlib, pwd, sys
 sys.path.insert(0, sys.argv[1])
 import torch
-from trainer import checkpoint_io as cio, run_lock
+from trainer.hardening import checkpoint_io as cio, run_lock
 buffer = io.BytesIO()
 torch.save({"x": torch.zeros(1)}, buffer)
 torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)  # torch's lazy imports, while they are readable

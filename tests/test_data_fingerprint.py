@@ -12,7 +12,7 @@ import pytest
 
 from conftest import REPO, resume_file, run_args, slice_jsonl, train
 from dataset.jsonl_file import UTF8_BOM, JsonlFile
-from trainer.resume_checks import ResumeMismatch, check_resume_compatible, data_fingerprint
+from trainer.hardening.resume_checks import ResumeMismatch, check_resume_compatible, data_fingerprint
 
 RECORDS = 200  # more than the 64 sampled records, so some are not sampled
 

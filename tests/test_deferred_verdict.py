@@ -1,6 +1,6 @@
 """The verdict on a step arrives one step late, and nothing else changes.
 
-The loop judges step N while the device computes step N+1 (trainer/step_numbers.py); the update of a
+The loop judges step N while the device computes step N+1 (trainer/hardening/step_numbers.py); the update of a
 bad step is refused on the device by the guard's own rule, before the host has seen its numbers.
 `--judge_before_step 1` keeps the reference timing: the host waits for each step's numbers, judges,
 then lets the optimizer step or not. With NaN and spike schedules under each policy, both timings must
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from conftest import assert_states_equal, events_of, resume_file, run_args, status_of, trace_of, train
-from trainer.anomaly import AnomalyGuard
-from trainer.step_numbers import StepNumbers, step_unless_refused
+from trainer.hardening.anomaly import AnomalyGuard
+from trainer.hardening.step_numbers import StepNumbers, step_unless_refused
 
 SCHEDULES = {
     "warn": ("--on_anomaly", "warn", "--debug_inject", "nan:3,spike:9"),  # skip, then a reported spike

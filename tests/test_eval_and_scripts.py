@@ -22,8 +22,9 @@ import torch
 import eval_model
 from conftest import REPO, TINY_MODEL, child_env, read_trace, run_args, slice_jsonl, train
 from model.tokenizer import load_tokenizer
-from scripts import bench, compare_runs, inspect_checkpoint
-from trainer.checkpoint_io import CheckpointError
+from benchmarks import bench
+from scripts import compare_runs, inspect_checkpoint
+from trainer.hardening.checkpoint_io import CheckpointError
 
 # The size flags of TINY_MODEL, for the tools that rebuild a model from an out/ file.
 SIZE_FLAGS = TINY_MODEL[:TINY_MODEL.index("--max_seq_len")]
@@ -147,7 +148,7 @@ def test_eval_with_wrong_size_flags_names_the_file_and_the_right_flags(runs, cap
     assert "pretrain_32.pth does not fit" in err and "--num_hidden_layers 2" in err
 
 
-# ---- scripts/bench.py -------------------------------------------------------------------------
+# ---- benchmarks/bench.py -------------------------------------------------------------------------
 
 def test_bench_prints_one_json_line_with_every_key(capsys):
     bench.main(["--hidden_size", "32", "--num_hidden_layers", "2", "--num_attention_heads", "4",
@@ -177,7 +178,7 @@ def test_bench_gpu_suite_runs_at_a_tiny_size_on_the_cpu(capsys, tmp_path):
     assert all(r["fraction_of_bare_step"] > 0 for r in loops)
     saving = loops[1]
     assert saving["saves"] == 2 and saving["blocked_s"] > 0 and saving["blocked_pct_at_default_interval"] > 0
-    assert "| 64×2, seq 32, batch 4 | eager |" in out and "python scripts/bench.py --suite gpu --tiny" in out
+    assert "| 64×2, seq 32, batch 4 | eager |" in out and "python benchmarks/bench.py --suite gpu --tiny" in out
 
 
 # ---- scripts/inspect_checkpoint.py ------------------------------------------------------------

@@ -13,8 +13,8 @@ import time
 
 from conftest import PRETRAIN_RUN, TINY_MODEL, launch_command, run_args, slowed_env
 from scripts import inspect_checkpoint
-from scripts.soak_kill import kill_job
-from trainer.checkpoint_io import RunFiles, manifest_path, verify
+from benchmarks.soak_kill import kill_job
+from trainer.hardening.checkpoint_io import RunFiles, manifest_path, verify
 
 
 def test_kill_9_during_a_save_leaves_the_previous_checkpoint_in_charge(tmp_path, pretrain_data):

@@ -1,7 +1,7 @@
 """kill -9 at random moments, some inside a checkpoint save: the run still ends exactly where an
 uninterrupted one does, having trained every sample once per epoch.
 
-The kill loop lives in scripts/soak_kill.py (the long soak runs it 50 times); here it runs a few
+The kill loop lives in benchmarks/soak_kill.py (the long soak runs it 50 times); here it runs a few
 times on a real 2-process torchrun/gloo job on the CPU, and the test then reads the two runs'
 files itself: the killed run's trace and both final resume files.
 
@@ -18,7 +18,7 @@ import pytest
 
 from conftest import (TINY_MODEL, assert_each_sample_once, assert_states_equal, child_env,
                       last_record_per_step_and_rank, launch_command, resume_file, trace_of)
-from scripts.soak_kill import soak
+from benchmarks.soak_kill import soak
 
 KILLS = 3  # the third waits for a save to begin and strikes inside it (soak_kill's kill_in_save_every)
 EPOCHS, NUM_SAMPLES = 2, 37

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from conftest import read_trace, train
-from trainer.checkpoint_io import RunFiles, is_managed
+from trainer.hardening.checkpoint_io import RunFiles, is_managed
 
 RUN = "pretrain_32"
 

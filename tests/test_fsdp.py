@@ -23,9 +23,9 @@ import torch.distributed.checkpoint as dcp
 from conftest import (PRETRAIN_RUN, REPO, Lines, assert_each_sample_once, assert_states_equal, child_env, events_of,
                       free_port, metrics_of, resume_file, run_args, slice_jsonl, trace_of, train)
 from scripts import consolidate_checkpoint
-from trainer import checkpoint_io as cio
-from trainer.checkpoint_io import CheckpointError, RunFiles
-from trainer.sharded_checkpoint import consolidate, read_metadata
+from trainer.hardening import checkpoint_io as cio
+from trainer.hardening.checkpoint_io import CheckpointError, RunFiles
+from trainer.hardening.sharded_checkpoint import consolidate, read_metadata
 from trainer.trainer_utils import get_lr
 
 FSDP = ["--parallel", "fsdp"]
@@ -258,8 +258,8 @@ def test_fsdp_refuses_what_it_cannot_do_with_one_line_each():
     from argparse import Namespace
 
     from model.model import CausalLM, LMConfig
-    from trainer.resume_checks import ConfigError
-    from trainer.sharding import shard_model
+    from trainer.hardening.resume_checks import ConfigError
+    from trainer.hardening.sharding import shard_model
     model = CausalLM(LMConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                               num_key_value_heads=2))
     flags = Namespace(save_hf=0, use_compile=0)

@@ -4,7 +4,7 @@
 it: RMSNorm in five fp32 ops with the weight multiplied after the cast, rotate_half with cat/neg,
 grouped-query attention by repeating key/value heads, rotary tables built per forward, logits sliced
 before the loss. The model must give the same logits, loss and gradients in fp32; and the op count
-of scripts/count_ops.py must stay within the budget the lean block was built for.
+of benchmarks/count_ops.py must stay within the budget the lean block was built for.
 """
 
 import pytest
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from model.model import CausalLM, LMConfig
-from scripts.count_ops import count_block
+from benchmarks.count_ops import count_block
 
 
 def textbook_rms_norm(x, weight, eps):
@@ -105,7 +105,7 @@ def test_queries_and_keys_stay_in_the_autocast_dtype():
 
 
 def test_one_block_dispatches_at_most_100_ops_forward_and_backward():
-    """scripts/count_ops.py's count at minimind's width (768, 8 heads, 4 kv heads), tiny tensors.
+    """benchmarks/count_ops.py's count at minimind's width (768, 8 heads, 4 kv heads), tiny tensors.
     It was 198 before the block was made lean; every op is a kernel launch and a trip through memory."""
     config = LMConfig(hidden_size=768, num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=1,
                       max_position_embeddings=64)

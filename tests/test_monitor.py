@@ -12,9 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainer.anomaly import AnomalyDetector, AnomalyGuard
+from trainer.hardening.anomaly import AnomalyDetector, AnomalyGuard
 from scripts.run_files import STATUS_FIELDS, read_status
-from trainer.metrics_files import MetricsFileWriter, is_train_record, read_metrics
+from trainer.hardening.metrics_files import MetricsFileWriter, is_train_record, read_metrics
 
 
 # ---- AnomalyDetector ----

@@ -16,7 +16,7 @@ from conftest import (REPO, assert_states_equal, child_env, events_of, free_port
 from dataset.jsonl_file import DataFileError
 from dataset.lm_dataset import IGNORE_INDEX, PackedPretrainDataset
 from model.tokenizer import BOS_ID, EOS_ID, load_tokenizer, text_only_copy
-from trainer.resume_checks import ResumeMismatch, check_resume_compatible, resume_settings
+from trainer.hardening.resume_checks import ResumeMismatch, check_resume_compatible, resume_settings
 
 SEQ = 48  # TINY_MODEL's --max_seq_len
 
@@ -169,7 +169,7 @@ def test_packing_stats_prints_the_loss_share_of_both_formats(tmp_path, pretrain_
 
 
 def test_shakespeare_speeches_are_speaker_and_lines_without_stage_directions():
-    from scripts.shakespeare_jsonl import speeches
+    from benchmarks.shakespeare_jsonl import speeches
     markdown = ("# Hamlet\n\n## ACT I\n\n### SCENE I. Elsinore.\n\n_FRANCISCO at his post._\n\n"
                 "**BERNARDO**  \nWho's there?\n\n**FRANCISCO**  \nNay, answer me:  \nstand.\n\n"
                 "_Exit_\n\n### SCENE II. A room.\n\n**HAMLET**  \nA little more than kin.\n")

@@ -2,7 +2,7 @@
 
 A real training process (slowed from outside by tests/fault_injection) shows the heartbeat moving while
 no step finishes, and logs its first step and each save. The watcher's verdicts (alive, slow, stuck,
-dead) are checked on status objects built here, against real lock files in trainer/run_lock.py's format
+dead) are checked on status objects built here, against real lock files in trainer/hardening/run_lock.py's format
 naming a live process, a dead one and one on another host.
 """
 
@@ -21,11 +21,11 @@ from types import SimpleNamespace
 import torch
 
 from conftest import TINY_MODEL, launch_command, run_args, slowed_env
-from scripts.soak_kill import kill_job
+from benchmarks.soak_kill import kill_job
 from scripts.watch_run import render_summary
-from trainer.metrics_files import MetricsFileWriter, read_metrics, status_path
-from trainer.run_lock import LOCK_NAME, process_start
-from trainer.tracking import Tracker
+from trainer.hardening.metrics_files import MetricsFileWriter, read_metrics, status_path
+from trainer.hardening.run_lock import LOCK_NAME, process_start
+from trainer.hardening.tracking import Tracker
 
 NOW = 1_800_000_000.0
 BEAT_S = 15.0
@@ -180,7 +180,7 @@ def test_watch_calls_a_run_stuck_when_it_beats_but_no_step_finishes():
 
 
 def write_lock(directory: Path, host: str, pid: int, pid_start: str | None) -> str:
-    """A lock file in trainer/run_lock.py's format."""
+    """A lock file in trainer/hardening/run_lock.py's format."""
     directory.mkdir(parents=True, exist_ok=True)
     record = {"host": host, "pid": pid, "pid_start": pid_start, "started": NOW - 3600, "command": "train_pretrain.py",
               "job_id": None, "heartbeat": NOW - 100, "token": "0123456789abcdef"}

@@ -1,4 +1,4 @@
-"""One run owns its directories (trainer/run_lock.py): a second trainer is refused, naming the holder; a
+"""One run owns its directories (trainer/hardening/run_lock.py): a second trainer is refused, naming the holder; a
 lock is taken over only from a holder that is provably gone; every rank must see rank 0's directory; holding
 the lock, the start removes the temp files of killed writes and finds whatever stands where a save writes."""
 
@@ -15,9 +15,9 @@ import pytest
 
 from conftest import (PRETRAIN_RUN, REPO, TINY_MODEL, Lines, assert_exit_code, child_env, free_port, launch_command,
                       read_trace, run_args, save, slowed_env, train, wait_until)
-from trainer import checkpoint_io as cio, run_lock
-from trainer.checkpoint_io import CheckpointError, RunFiles
-from trainer.resume_checks import ConfigError
+from trainer.hardening import checkpoint_io as cio, run_lock
+from trainer.hardening.checkpoint_io import CheckpointError, RunFiles
+from trainer.hardening.resume_checks import ConfigError
 
 
 def foreign_lock(directory, **fields) -> dict:

@@ -13,7 +13,7 @@ from conftest import REPO, child_env
 from scripts.plot_metrics import plot_metrics
 from scripts.watch_run import render_summary
 from scripts.run_files import STATUS_FIELDS
-from trainer.metrics_files import MetricsFileWriter, read_metrics
+from trainer.hardening.metrics_files import MetricsFileWriter, read_metrics
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

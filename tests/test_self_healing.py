@@ -26,7 +26,7 @@ import pytest
 
 from conftest import (REPO, TINY_MODEL, assert_each_sample_once, assert_states_equal, child_env, events_of,
                       free_port, resume_file, run_args, slice_jsonl, slowed_env, trace_of)
-from scripts.soak_kill import descendants, kill_job
+from benchmarks.soak_kill import descendants, kill_job
 
 NUM_SAMPLES, EPOCHS = 37, 2  # 10 steps of 4 samples an epoch (the last one takes 1), 20 in all
 JOB = ["--batch_size", "2", "--epochs", str(EPOCHS), "--save_interval", "3", "--from_resume", "1"]

@@ -21,7 +21,7 @@ from pathlib import Path
 from conftest import (REPO, TINY_MODEL, child_env, free_port, read_trace, resume_file, run_args, slowed_env,
                       status_of, wait_until)
 from scripts.run_files import read_status
-from trainer.checkpoint_io import RunFiles, verify
+from trainer.hardening.checkpoint_io import RunFiles, verify
 
 
 def start_recorded_job(run_dir: Path, args: list[str], env: dict, *torchrun_flags: str) -> subprocess.Popen:

@@ -1,7 +1,7 @@
 """Every logged step reaches each tracker exactly once, across ranks, crashes and resumes.
 
 Real `python` / `torchrun` (gloo) runs on the CPU. The metrics file is read with the writer's own
-reader (trainer/metrics_files.py); wandb and SwanLab run offline, and their run files are read back directly: both are
+reader (trainer/hardening/metrics_files.py); wandb and SwanLab run offline, and their run files are read back directly: both are
 LevelDB-style logs of protobuf records (https://github.com/google/leveldb/blob/main/doc/log_format.md).
 """
 
@@ -17,8 +17,8 @@ import pytest
 
 from conftest import (TINY_MODEL, events_of, launch_command, metrics_of, resume_file, run_args, slowed_env,
                       status_of, trace_of, train)
-from scripts.soak_kill import kill_job
-from trainer.metrics_files import is_train_record
+from benchmarks.soak_kill import kill_job
+from trainer.hardening.metrics_files import is_train_record
 
 
 def job_args(tmp_path: Path, data: Path, *extra: str) -> list[str]:

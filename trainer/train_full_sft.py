@@ -32,15 +32,15 @@ from torch.utils.data import DataLoader
 from dataset.lm_dataset import SFTDataset  # stage
 from model.hf import export_hf
 from model.tokenizer import load_tokenizer
-from trainer.anomaly import AnomalyGuard, AnomalyStop, install_debug_injection
-from trainer.background_save import BackgroundSaver, finish_saves
-from trainer.operator_flags import add_operator_flags
-from trainer.resume_checks import data_fingerprint, resume_settings
-from trainer.run_lock import claim_run_directories
-from trainer.sharding import no_sync, shard_model
-from trainer.step_numbers import StepNumbers, step_unless_refused
-from trainer.stopping import StopRequest, continue_command
-from trainer.tracking import Tracker, flops_per_token, validation_loss
+from trainer.hardening.anomaly import AnomalyGuard, AnomalyStop, install_debug_injection
+from trainer.hardening.background_save import BackgroundSaver, finish_saves
+from trainer.hardening.operator_flags import add_operator_flags
+from trainer.hardening.resume_checks import data_fingerprint, resume_settings
+from trainer.hardening.run_lock import claim_run_directories
+from trainer.hardening.sharding import no_sync, shard_model
+from trainer.hardening.step_numbers import StepNumbers, step_unless_refused
+from trainer.hardening.stopping import StopRequest, continue_command
+from trainer.hardening.tracking import Tracker, flops_per_token, validation_loss
 from trainer.trainer_utils import (REPO_ROOT, IndexedDataset, SkipBatchSampler, capture_rng_state,
                                    cleanup_distributed, epoch_order, get_lr, given_sizes, init_distributed, init_model,
                                    lm_checkpoint, model_config, rank0_logger, resolve_accumulation,
@@ -233,7 +233,7 @@ def main() -> None:
 
     # ---- 7. Train, epoch by epoch, from the resumed position ------------------------------------
     # The host runs one step ahead of its verdicts: step N is judged while the device computes step
-    # N+1, before N+1 may change the weights (trainer/step_numbers.py says why and how).
+    # N+1, before N+1 may change the weights (trainer/hardening/step_numbers.py says why and how).
     status, steps_this_run = "completed", 0
     with tracker, saver:  # on an error: the save in flight completes and the status file says "failed"
         while epoch < args.epochs and status == "completed":

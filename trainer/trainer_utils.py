@@ -33,13 +33,13 @@ from torch.utils.data import Dataset, Sampler
 from dataset.jsonl_file import DataFileError
 from model.hf import load_project_weights
 from model.model import CausalLM, LMConfig
-from trainer import checkpoint_io, resume_checks, sharding
-from trainer.anomaly import AnomalyStop
-from trainer.background_save import BackgroundSaver
-from trainer.checkpoint_io import CheckpointError
-from trainer.elastic_store import attempt_store
-from trainer.resume_checks import ConfigError
-from trainer.run_lock import release_held
+from trainer.hardening import checkpoint_io, resume_checks, sharding
+from trainer.hardening.anomaly import AnomalyStop
+from trainer.hardening.background_save import BackgroundSaver
+from trainer.hardening.checkpoint_io import CheckpointError
+from trainer.hardening.elastic_store import attempt_store
+from trainer.hardening.resume_checks import ConfigError
+from trainer.hardening.run_lock import release_held
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,6 +1,6 @@
 """Slow a training process down from the outside, so a test can signal or kill it at a chosen moment.
 
-The library has no test hooks: a test (or scripts/soak_kill.py) puts this directory on the child's
+The library has no test hooks: a test (or benchmarks/soak_kill.py) puts this directory on the child's
 PYTHONPATH, and Python imports `sitecustomize` at start-up. With the variables unset it does nothing.
 
     FAULT_STEP_DELAY_S  sleep in each optimizer step, after its numbers reach the host (`StepNumbers.read`)
@@ -69,9 +69,9 @@ def patch_checkpoint_io(module) -> None:
 
 PATCHES = {}
 if STEP_DELAY > 0:
-    PATCHES["trainer.step_numbers"] = patch_step_numbers
+    PATCHES["trainer.hardening.step_numbers"] = patch_step_numbers
 if SAVE_DELAY > 0 or DISK_FULL_AT_STEP:
-    PATCHES["trainer.checkpoint_io"] = patch_checkpoint_io
+    PATCHES["trainer.hardening.checkpoint_io"] = patch_checkpoint_io
 
 
 class PatchAfterImport(importlib.abc.MetaPathFinder):

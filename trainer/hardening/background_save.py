@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint_io import CheckpointError
+from trainer.hardening.checkpoint_io import CheckpointError
 
 
 class BackgroundSaver:

@@ -2,8 +2,8 @@
 # The CUDA path end to end on one GPU: pretrain and SFT with `python` and `torchrun --nproc_per_node 1`,
 # in bf16, fp16 (GradScaler), eager and compiled (the default on CUDA), a resume, the anomaly policy
 # with the deferred verdict and side-stream saves, --parallel fsdp, then the speed targets' benchmark.
-#   bash scripts/gpu_proof.sh runs OUT_DIR     # training runs only (a few minutes)
-#   bash scripts/gpu_proof.sh bench OUT_DIR    # benchmarks only
+#   bash benchmarks/gpu_proof.sh runs OUT_DIR     # training runs only (a few minutes)
+#   bash benchmarks/gpu_proof.sh bench OUT_DIR    # benchmarks only
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what=$1 out=$2
@@ -38,6 +38,6 @@ if [ "$what" = runs ]; then
 fi
 
 if [ "$what" = bench ]; then
-  python scripts/count_ops.py | tee "$out/ops.txt"
-  python scripts/bench.py --suite gpu | tee "$out/bench_gpu.txt"
+  python benchmarks/count_ops.py | tee "$out/ops.txt"
+  python benchmarks/bench.py --suite gpu | tee "$out/bench_gpu.txt"
 fi

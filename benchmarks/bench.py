@@ -4,7 +4,7 @@ both at the shapes of the speed targets (`--suite gpu`).
 The figures of the README's speed section come from one command on one GPU (roughly 10 minutes on an
 H100, estimated: four compilations, eight trainer runs of 300 steps):
 
-    python scripts/bench.py --suite gpu > bench_gpu.txt
+    python benchmarks/bench.py --suite gpu > bench_gpu.txt
 
 `--suite gpu` runs, at minimind's default shape (hidden 768 x 8 layers, seq 340) and at 768 x 16
 layers / seq 1024, both at batch 32, vocab --vocab_size (6400), 8 heads, 4 KV heads:
@@ -17,11 +17,11 @@ It prints one JSON line per measurement, then a markdown table naming the GPU, t
 Compiled runs are skipped off CUDA (torch.compile on the CPU needs a C++ compiler and minutes per
 shape). A check of the suite on any machine, at a tiny shape, in about half a minute:
 
-    python scripts/bench.py --suite gpu --tiny --device cpu
+    python benchmarks/bench.py --suite gpu --tiny --device cpu
 
 MFU (model FLOPs utilisation) = FLOPs per token x tokens/s / --peak_flops, where FLOPs per token =
 6 * N + 12 * layers * hidden * seq (N: parameters, the tied embedding counted once; the second term
-is attention's Q K^T and A V, forward and backward; trainer/tracking.py's flops_per_token, which the
+is attention's Q K^T and A V, forward and backward; trainer/hardening/tracking.py's flops_per_token, which the
 trainer's own MFU also uses). --peak_flops defaults to 989e12, the dense bf16 peak of an H100 SXM.
 
 `--mode step` (default) times this project's training step alone: forward with labels (summed
@@ -36,9 +36,9 @@ synchronous saves (--async_save 0). The trainer's tokenizer is padded with unuse
 --vocab_size, so the loop's model has the bare step's shape. The first logged interval (start-up,
 compilation) is left out of the loop's rate.
 
-    python scripts/bench.py --hidden_size 512 --num_hidden_layers 8 --batch_size 32 --max_seq_len 512
-    python scripts/bench.py --hidden_size 768 --num_hidden_layers 8 --batch_size 32 --max_seq_len 340 --use_compile 1
-    python scripts/bench.py --mode loop --hidden_size 768 --num_hidden_layers 8 --batch_size 2 --max_seq_len 128 \\
+    python benchmarks/bench.py --hidden_size 512 --num_hidden_layers 8 --batch_size 32 --max_seq_len 512
+    python benchmarks/bench.py --hidden_size 768 --num_hidden_layers 8 --batch_size 32 --max_seq_len 340 --use_compile 1
+    python benchmarks/bench.py --mode loop --hidden_size 768 --num_hidden_layers 8 --batch_size 2 --max_seq_len 128 \\
         --steps 20 --save_interval 5 --device cpu
 
 It prints JSON lines, so results of several runs can be collected with `>> results.jsonl`.
@@ -66,8 +66,8 @@ from tokenizers import AddedToken
 
 from model.model import CausalLM, LMConfig
 from model.tokenizer import SPECIAL_TOKENS, load_tokenizer
-from trainer.metrics_files import read_metrics
-from trainer.tracking import flops_per_token
+from trainer.hardening.metrics_files import read_metrics
+from trainer.hardening.tracking import flops_per_token
 from trainer.trainer_utils import REPO_ROOT
 
 H100_SXM_BF16_FLOPS = 989e12  # dense, no sparsity
@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.steps < 1 or args.max_seq_len < 2:
         raise SystemExit("error: --steps must be >= 1 and --max_seq_len >= 2 (a label needs a next token)")
     if args.suite:  # prints each measurement as it is taken: a long suite shows progress
-        command = " ".join(["python scripts/bench.py", *argv])
+        command = " ".join(["python benchmarks/bench.py", *argv])
         print(markdown_table(run_suite(args), args.peak_flops, command), flush=True)
         return
     results = run_loop_benchmark(args) if args.mode == "loop" else [run_benchmark(args)]

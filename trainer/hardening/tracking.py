@@ -8,7 +8,7 @@ with --from_resume 1 first cuts it back to the step it starts from, as the metri
 metric is logged against the optimizer step, so a resumed run's curves continue where they stopped.
 
 With the file logger on, a daemon thread on rank 0 rewrites the status file every
-TRAINER_HEARTBEAT_S seconds (trainer/run_lock.py reads it; default 15) with a heartbeat and the last
+TRAINER_HEARTBEAT_S seconds (trainer/hardening/run_lock.py reads it; default 15) with a heartbeat and the last
 finished step, so scripts/watch_run.py can tell a slow run from a stuck or a dead one between log steps.
 """
 
@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint_io import atomic_write_text
-from trainer.metrics_files import MetricsFileWriter
-from trainer.resume_checks import ConfigError
-from trainer.run_lock import HEARTBEAT_S, LOCK_NAME
+from trainer.hardening.checkpoint_io import atomic_write_text
+from trainer.hardening.metrics_files import MetricsFileWriter
+from trainer.hardening.resume_checks import ConfigError
+from trainer.hardening.run_lock import HEARTBEAT_S, LOCK_NAME
 
 # Dense bf16 peak of common GPUs (TFLOPS), for MFU = achieved / peak model FLOPs.
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "4090": 165.0, "A10": 125.0}

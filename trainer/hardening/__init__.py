@@ -1,0 +1,18 @@
+"""Production hardening: what makes the training loop safe on rented GPUs. Skip it on a first read.
+
+The two training scripts and trainer_utils.py call each module here through one name, and the
+training reads the same without knowing how it works inside:
+
+    checkpoint_io.py       durable files: temp file, fsync, rename, hash manifest, rotation, fallback
+    background_save.py     the copy to CPU memory, then the write in a thread while training goes on
+    sharding.py            --parallel fsdp: each rank keeps a slice (sharded_checkpoint.py saves it)
+    step_numbers.py        a step's loss and grad norm on their way to the host, and a refusable step
+    deferred_verdict.py    the anomaly guard's verdict one step late, so the host never waits
+    anomaly.py             the guard itself: NaN, spikes, explosions, plateaus; warn, stop, rollback
+    tracking.py            console, metrics and status files, wandb, SwanLab, validation
+    run_lock.py            one trainer per directory; stopping.py, SIGTERM and Ctrl-C
+    resume_checks.py       a resume that changed the model, data or settings is refused
+    operator_flags.py      the flags of all of the above
+
+Nothing here imports the scripts or trainer_utils.py: arrows point down only.
+"""
