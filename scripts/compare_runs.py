@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -55,7 +56,9 @@ def load_trace(path: str | Path) -> dict[tuple[int, int], dict]:
 
 
 def _losses_differ(a: float, b: float, atol: float) -> bool:
-    return a != b if atol == 0 else abs(a - b) > atol
+    if math.isnan(a) or math.isnan(b):  # a step both runs skipped (NaN loss) agrees; NaN never equals itself
+        return not (math.isnan(a) and math.isnan(b))
+    return a != b and not abs(a - b) <= atol  # written so that inf agrees with inf (inf - inf is NaN)
 
 
 def _per_step(trace: dict[tuple[int, int], dict]) -> dict[int, dict]:

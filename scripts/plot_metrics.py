@@ -3,8 +3,8 @@
 Three panels share the step axis. Validation loss (if any) is drawn over the training loss;
 dashed vertical lines mark where the run was resumed, dotted red ones where an anomaly was seen.
 Uses matplotlib's Agg renderer, so it works on a machine without a display (over ssh, in CI).
-The file's fields are described in trainer/hardening/metrics_files.py; a non-finite value is stored as null
-and drawn as a gap.
+The file's fields are described in trainer/hardening/metrics_files.py; a non-finite value (NaN or inf,
+or null in an older file) is drawn as a gap.
 
     python scripts/plot_metrics.py out/pretrain_512_metrics.jsonl -o curves.png
     python scripts/plot_metrics.py out/pretrain_512_metrics.jsonl   # -> out/pretrain_512_metrics.png
@@ -22,7 +22,7 @@ from matplotlib.figure import Figure
 if __package__ in (None, ""):  # run as a file: the repository, not this folder, goes first on the import path
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from trainer.hardening.metrics_files import is_train_record, read_metrics
+from trainer.hardening.metrics_files import is_finite_number, is_train_record, read_metrics
 
 METRICS_SUFFIX = "_metrics.jsonl"
 
@@ -34,8 +34,8 @@ def run_name_from_path(path: Path) -> str:
 
 
 def values(records: list[dict], key: str) -> list[float]:
-    """`key` of each record as floats; null (a NaN or inf the writer could not store) or absent is NaN."""
-    return [float("nan") if r.get(key) is None else r[key] for r in records]
+    """`key` of each record as floats; NaN (a gap in the line) where it is not finite or absent."""
+    return [r[key] if is_finite_number(r.get(key)) else float("nan") for r in records]
 
 
 def plot_metrics(records: list[dict], out_path: str | Path, run_name: str = "") -> Path:
@@ -56,7 +56,7 @@ def plot_metrics(records: list[dict], out_path: str | Path, run_name: str = "") 
 
     loss_ax.plot(steps, values(train, "loss"), label="train loss")
     if val:
-        loss_ax.plot([r["step"] for r in val], [r["val/loss"] for r in val], "o-", label="val/loss")
+        loss_ax.plot([r["step"] for r in val], values(val, "val/loss"), "o-", label="val/loss")
     loss_ax.set_ylabel("loss")
 
     lr_ax.plot(steps, values(train, "lr"), color="tab:green")
@@ -66,7 +66,7 @@ def plot_metrics(records: list[dict], out_path: str | Path, run_name: str = "") 
     grad_norms = values(train, "grad_norm")
     grad_ax.plot(steps, grad_norms, color="tab:purple")
     grad_ax.set_ylabel("grad norm")
-    finite = [g for g in grad_norms if g == g and g != float("inf")]
+    finite = [g for g in grad_norms if is_finite_number(g)]
     # A log scale keeps one explosion from flattening the rest; on a narrow range it only hurts.
     if finite and min(finite) > 0 and max(finite) / min(finite) > 20:
         grad_ax.set_yscale("log")

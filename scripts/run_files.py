@@ -8,10 +8,11 @@ The trainer itself only writes these files (trainer/hardening/metrics_files.py, 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
+
+from trainer.hardening.metrics_files import read_json
 
 # The fields every status file has (see trainer/hardening/metrics_files.py); readers check for them.
 STATUS_FIELDS = ("job_id", "status", "current_step", "total_steps", "anomaly_detected", "anomaly_reason",
@@ -25,12 +26,13 @@ def list_runs(metrics_dir: str | Path) -> list[str]:
 
 
 def read_status(path: str | Path) -> dict:
-    """The status object; the file is replaced atomically, so a read never sees half of it.
+    """The status object (a NaN or inf in it, written as text, back as a float); the file is replaced
+    atomically, so a read never sees half of it.
 
     Raises ValueError naming the file and the missing fields if it lacks any of STATUS_FIELDS
     (a file written by an older version of the trainer, or not by the trainer at all).
     """
-    status = json.loads(Path(path).read_text(encoding="utf-8"))
+    status = read_json(Path(path).read_text(encoding="utf-8"))
     missing = [name for name in STATUS_FIELDS if name not in status]
     if missing:
         raise ValueError(f"{path}: not a status file of this trainer, missing {', '.join(missing)}. "

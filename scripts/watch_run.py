@@ -36,7 +36,7 @@ if __package__ in (None, ""):  # run as a file: the repository, not this folder,
 
 from trainer.hardening.tracking import format_duration
 from scripts.run_files import list_runs, read_status
-from trainer.hardening.metrics_files import is_train_record, metrics_path, read_metrics, status_path
+from trainer.hardening.metrics_files import is_finite_number, is_train_record, metrics_path, read_metrics, status_path
 from trainer.hardening.resume_checks import ConfigError
 from trainer.hardening.run_lock import describe, pid_alive, read_lock
 
@@ -75,23 +75,27 @@ def render_summary(status: dict, records: list[dict], now: float | None = None) 
     epoch = status.get("epoch")
     eta = latest.get("eta_s")
     lines.append(f"epoch {epoch + 1 if epoch is not None else '-'}"  # 0-based in the files, 1-based on screen
-                 f"   ETA {format_duration(eta) if eta is not None and state == 'running' else '-'}")
+                 f"   ETA {format_duration(eta) if is_finite_number(eta) and state == 'running' else '-'}")
 
     if latest:
-        numbers = [f"{label} {latest[key]:{spec}}" for key, label, spec in LATEST_FIELDS
-                   if latest.get(key) is not None]  # a NaN loss is written as null
+        numbers = [f"{label} {latest[key]:{spec}}" for key, label, spec in LATEST_FIELDS  # a NaN shows as nan
+                   if latest.get(key) is not None]  # null: an older file's NaN or inf, left out
         lines.append(f"latest (step {latest['step']}): " + "  ".join(numbers))
     else:
         lines.append("latest: nothing logged yet")
 
     best_loss, best_step = status.get("best_loss"), status.get("best_step")
     if best_loss is None and train:  # a status file without best_loss: work it out from the records
-        best = min((r for r in train if r["loss"] is not None), key=lambda r: r["loss"], default=None)
+        best = min((r for r in train if is_finite_number(r["loss"])), key=lambda r: r["loss"], default=None)
         best_loss, best_step = (best["loss"], best["step"]) if best else (None, None)
     lines.append(f"best loss {best_loss:.4f} at step {best_step}" if best_loss is not None else "best loss -")
 
     val = [r for r in records if "val/loss" in r]
-    lines.append(f"val/loss {val[-1]['val/loss']:.4f} at step {val[-1]['step']}" if val else "val/loss -")
+    if val:  # null: an older file's NaN or inf
+        loss = val[-1]["val/loss"]
+        lines.append(f"val/loss {'null' if loss is None else format(loss, '.4f')} at step {val[-1]['step']}")
+    else:
+        lines.append("val/loss -")
 
     resumes = [r["step"] for r in records if r.get("event") == "resume"]
     lines.append(f"resumes: {len(resumes)}" + (f" (at steps {', '.join(map(str, resumes))})" if resumes else ""))
@@ -123,6 +127,7 @@ def liveness(status: dict, now: float) -> list[str]:
         return [f"WARNING: dead or frozen: no heartbeat for {format_duration(beat_age)} (it beats every "
                 f"{interval:g} s) while the status is 'running'.", *lock_verdict(status)]
     typical = (status["latest_metrics"] or {}).get("step_time_s")
+    typical = typical if is_finite_number(typical) else None
     last_step, last_at = status.get("last_step"), status.get("last_step_at")
     # Measured at the latest beat, not now: the file knows nothing later, so a fast run read
     # between two beats does not look slow.

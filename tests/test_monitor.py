@@ -282,6 +282,6 @@ def test_rollback_cuts_back_the_metrics_but_keeps_the_anomaly_that_caused_it(tmp
     assert events == [("anomaly", 7), ("rollback", 4)]
     status = read_status(tmp_path / "run_status.json")
     assert status["anomaly_step"] == 7 and status["anomaly_reason"] == "non-finite loss nan at step 7"
-    writer.log(metrics_at(9, loss=float("nan")), total_steps=20)  # written as null: strict JSON stays valid
-    assert json.loads((tmp_path / "run_metrics.jsonl").read_text().splitlines()[-1])["loss"] is None
-    assert read_status(tmp_path / "run_status.json")["latest_metrics"]["loss"] is None
+    writer.log(metrics_at(9, loss=float("nan")), total_steps=20)  # written as "NaN": strict JSON stays valid
+    assert json.loads((tmp_path / "run_metrics.jsonl").read_text().splitlines()[-1])["loss"] == "NaN"
+    assert math.isnan(read_status(tmp_path / "run_status.json")["latest_metrics"]["loss"])

@@ -19,6 +19,11 @@ heartbeat_interval_s seconds, even while no step finishes), heartbeat_interval_s
 last_step_at (the number and Unix time of the last finished optimizer step as of that beat; null before
 this invocation's first step). Tools may rely on these names; more may come.
 
+JSON has no NaN or infinity, and strict readers (jq, browsers) reject the bare `NaN` Python would write,
+so a non-finite number (a NaN loss, an inf grad norm) is written as the string "NaN", "Infinity" or
+"-Infinity"; `read_metrics` and `read_json` turn it back into the float. Files of older versions hold
+null there instead: readers take null as "not a finite number" too.
+
 On resume the metrics file is cut back to the checkpoint's step: those steps are trained again, and
 two losses for one step would draw a zigzag.
 """
@@ -45,6 +50,47 @@ def status_path(metrics_dir: str | Path, run_name: str) -> Path:
     return Path(metrics_dir) / f"{run_name}_status.json"
 
 
+# How a non-finite float is spelled in the files (the spellings JavaScript and Python's float() read).
+NON_FINITE_TEXT = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def non_finite_as_text(value):
+    """`value` with every NaN/inf float (at any depth) replaced by its NON_FINITE_TEXT string."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: non_finite_as_text(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [non_finite_as_text(v) for v in value]
+    return value
+
+
+def non_finite_from_text(value):
+    """The inverse of non_finite_as_text: "NaN", "Infinity", "-Infinity" back to floats, at any depth."""
+    if isinstance(value, str):
+        return NON_FINITE_TEXT.get(value, value)
+    if isinstance(value, dict):
+        return {k: non_finite_from_text(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [non_finite_from_text(v) for v in value]
+    return value
+
+
+def json_text(value, indent: int | None = None) -> str:
+    """Strict JSON (no bare NaN or Infinity), as every file here is written."""
+    return json.dumps(non_finite_as_text(value), indent=indent, allow_nan=False)
+
+
+def read_json(text: str):
+    """A value written by json_text, non-finite numbers restored; raises ValueError if it is not JSON."""
+    return non_finite_from_text(json.loads(text))
+
+
+def is_finite_number(value) -> bool:
+    """A number that can be compared and averaged: not null (older files' NaN/inf), not NaN, not inf."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def read_metrics(path: str | Path) -> list[dict]:
     """All records of a metrics file, in file order; [] if there is none yet. A line that is not JSON
     is skipped: only a write cut short (killed, or read mid-write) makes one, and it is the last line."""
@@ -54,7 +100,7 @@ def read_metrics(path: str | Path) -> list[dict]:
     records = []
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
-            record = json.loads(line)
+            record = read_json(line)
         except ValueError:
             continue
         if isinstance(record, dict):
@@ -65,17 +111,6 @@ def read_metrics(path: str | Path) -> list[dict]:
 def is_train_record(record: dict) -> bool:
     """A training log line (not a validation result or an event such as a resume)."""
     return "event" not in record and "loss" in record and "step" in record
-
-
-def finite_or_null(value):
-    """NaN/inf as null: strict JSON readers (jq, browsers) reject Python's NaN literal."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: finite_or_null(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [finite_or_null(v) for v in value]
-    return value
 
 
 class MetricsFileWriter:
@@ -101,11 +136,11 @@ class MetricsFileWriter:
         if start_step > 0:
             kept = self._cut_back_to(start_step)
             if self.status_file.is_file():  # a resume keeps the job id (None if the file has none)
-                job_id = json.loads(self.status_file.read_text(encoding="utf-8")).get("job_id")
+                job_id = read_json(self.status_file.read_text(encoding="utf-8")).get("job_id")
         else:
             self.metrics_file.write_text("", encoding="utf-8")  # a fresh run starts a fresh file
         train = [r for r in kept if is_train_record(r)]
-        best = min(train, key=lambda r: r["loss"], default=None)
+        best = min((r for r in train if is_finite_number(r["loss"])), key=lambda r: r["loss"], default=None)
         val = [r for r in kept if "val/loss" in r]
         anomalies = [r for r in kept if r.get("event") == "anomaly"]
         self.status = {
@@ -132,7 +167,7 @@ class MetricsFileWriter:
         record = {**metrics, "timestamp": time.time()}
         self._append(record)
         loss, best = metrics.get("loss"), self.status.get("best_loss")
-        if loss is not None and math.isfinite(loss) and (best is None or loss < best):
+        if is_finite_number(loss) and (best is None or loss < best):
             self.status["best_loss"], self.status["best_step"] = loss, metrics["step"]
         self._update_status(current_step=metrics["step"], epoch=metrics.get("epoch"), latest_metrics=record,
                             total_steps=total_steps)
@@ -176,12 +211,12 @@ class MetricsFileWriter:
         from trainer.hardening.checkpoint_io import atomic_write_text  # see _write_status for why it is here
         kept = [r for r in read_metrics(self.metrics_file)
                 if r.get("step", 0) <= step or r.get("event") == "anomaly"]
-        atomic_write_text(self.metrics_file, "".join(json.dumps(r) + "\n" for r in kept))
+        atomic_write_text(self.metrics_file, "".join(json_text(r) + "\n" for r in kept))
         return kept
 
     def _append(self, record: dict) -> None:
         # One write of a whole line, then flush: a reader sees whole lines (a cut last one is skipped).
-        self.file.write(json.dumps(finite_or_null(record)) + "\n")
+        self.file.write(json_text(record) + "\n")
         self.file.flush()
 
     def _update_status(self, **fields) -> None:
@@ -194,4 +229,4 @@ class MetricsFileWriter:
         # Imported here so the readers above (watch and plot scripts) work on a machine without torch.
         from trainer.hardening.checkpoint_io import atomic_write_text
         self.status["updated"] = time.time()
-        atomic_write_text(self.status_file, json.dumps(finite_or_null(self.status), indent=1) + "\n")
+        atomic_write_text(self.status_file, json_text(self.status, indent=1) + "\n")
