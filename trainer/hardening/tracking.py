@@ -4,7 +4,8 @@ validation loss.
 The loop calls one object, `Tracker`: `step` after every optimizer step, `log` at log steps, and
 `validation`, `anomaly`, `rollback`, `saved`, `finish` when those happen. Rank 0 fans each call out to
 the --logger backends; every rank writes its own lines of the --save_debug_train_output trace (a run
-with --from_resume 1 first cuts it back to the step it starts from, as the metrics file is). Every
+with --from_resume 1 first cuts it back to the step it starts from, as the metrics file is; a fresh run
+writes only a file it creates, and no run writes into a file that is not a trace of this trainer). Every
 metric is logged against the optimizer step, so a resumed run's curves continue where they stopped.
 
 With the file logger on, a daemon thread on rank 0 rewrites the status file every
@@ -81,35 +82,95 @@ def validation_loss(model: torch.nn.Module, dataset, batch_size: int, device: to
     return (totals[0] / totals[1].clamp(min=1)).item()
 
 
+def is_trace_record(record) -> bool:
+    """A line of a --save_debug_train_output trace (the loop writes step, rank, samples and more)."""
+    return (isinstance(record, dict) and isinstance(record.get("step"), int) and isinstance(record.get("rank"), int)
+            and isinstance(record.get("samples"), list))
+
+
+def trace_problem(path: Path, resuming: bool) -> str | None:
+    """Why this run may not write its --save_debug_train_output trace to `path` (None: it may), before
+    it writes anything. Nothing a run did not create is appended to: a fresh run takes only a path with
+    nothing there (or an empty file), as another run's trace there would get two runs' steps mixed. A
+    resumed run continues the file only if it is a trace of this trainer (the first line says so here;
+    cut_trace_back checks every line before it changes one)."""
+    flag = f"--save_debug_train_output {path}"
+    if path.is_dir():
+        return f"{flag} is a directory: give the path of a file"
+    if not path.is_file() or path.stat().st_size == 0:  # nothing there yet, or a device such as /dev/stdout
+        return None
+    with open(path, "rb") as f:
+        first = f.readline(1 << 20)  # a trace line is short; a data file's line may be long: no need to read it all
+    try:
+        is_trace = is_trace_record(json.loads(first))
+    except ValueError:  # not JSON, not UTF-8, or a line cut short
+        is_trace = False
+    if resuming and (is_trace or not first.endswith(b"\n")):  # the only line, cut short by a kill: dropped on cut
+        return None
+    if resuming:
+        return (f"{flag} is not a trace of this trainer (line 1 has no step, rank and samples); --from_resume 1 "
+                f"continues only the run's own trace, and left this file untouched: give that trace, or a new path")
+    if is_trace:
+        return (f"{flag} already holds the trace of an earlier run, and a fresh run appends to no other run's trace; "
+                f"it left the file untouched: delete it or give a new path, or continue that run with --from_resume 1")
+    return (f"{flag} already exists and is not a trace of this trainer; a fresh run left it untouched: give a path "
+            f"where no file is yet")
+
+
 def cut_trace_back(path: Path, step: int) -> None:
     """Keep only the trace records of steps up to `step`, the checkpoint a run resumes from (0: a fresh start).
 
     The steps after it were trained by a run that died before saving them; this run trains them again,
     so their records go, as their lines in the metrics file do. So does a line that is not JSON (a write
-    cut short by a kill). Rank 0 calls it before any rank appends; it says what it removed.
+    cut short by a kill). Rank 0 calls it before any rank appends; it says what it removed. A line that
+    is JSON but no trace record raises ConfigError before anything is changed.
     """
     if not path.is_file():
         return
     kept, dropped = [], 0
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(keepends=True), 1):
+    for number, line in enumerate(path.read_bytes().splitlines(keepends=True), 1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
-        except ValueError:  # cut short
+        except ValueError:  # cut short (or not UTF-8)
             dropped += 1
             continue
-        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-            raise ConfigError(f"{path}, line {number}: not a trace record of this trainer (no step); give "
-                              f"--save_debug_train_output a new file")
+        if not is_trace_record(record):
+            raise ConfigError(f"--save_debug_train_output {path}, line {number}: not a trace record of this trainer "
+                              f"(no step, rank and samples); the file was left untouched: give the run's own "
+                              f"trace, or a new path")
         if record["step"] <= step:
             kept.append(line)
         else:
             dropped += 1
     if dropped:
-        atomic_write_text(path, "".join(kept))
+        atomic_write_text(path, b"".join(kept).decode("utf-8"))  # lines that parsed as JSON are UTF-8
         print(f"{path}: removed {dropped} trace records after step {step}, where this run starts "
               f"(those steps are trained again)", flush=True)
+
+
+def open_trace(path: Path, resuming: bool, start_step: int, is_main: bool) -> int:
+    """The file descriptor every rank appends its trace lines to, once every rank has checked `path`
+    (trace_problem) and rank 0 has cut a resumed run's trace back to `start_step`. A problem on any rank
+    is raised as one ConfigError on every rank, so none waits in a collective for the others."""
+    problem = None
+    try:
+        problem = trace_problem(path, resuming)
+        if problem is None and resuming and is_main:  # as the metrics file: cut back to the resumed step
+            cut_trace_back(path, start_step)
+    except ConfigError as error:
+        problem = str(error)
+    problems = [problem]
+    if dist.is_initialized():  # also the barrier: no rank appends before rank 0 has cut the file
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+    problems = list(dict.fromkeys(p for p in problems if p))  # ranks sharing a filesystem see the same problem
+    if problems:
+        raise ConfigError("; ".join(problems))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Ranks append to one file with single write() calls of whole lines (O_APPEND keeps them intact).
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
 
 class Tracker:
@@ -132,14 +193,8 @@ class Tracker:
                                                  id=run_id, resume="allow" if run_id else None)
         self.trace = None
         if args.save_debug_train_output:
-            Path(args.save_debug_train_output).parent.mkdir(parents=True, exist_ok=True)
-            if args.from_resume or args.resume_path:  # as the metrics file: cut back to the resumed step
-                if is_main:
-                    cut_trace_back(Path(args.save_debug_train_output), start_step)
-                if dist.is_initialized():
-                    dist.barrier()  # every rank appends to this one file: none may write before rank 0 has cut it
-            # Ranks append to one file with single write() calls of whole lines (O_APPEND keeps them intact).
-            self.trace = os.open(args.save_debug_train_output, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self.trace = open_trace(Path(args.save_debug_train_output), bool(args.from_resume or args.resume_path),
+                                    start_step, is_main)
         self.peak, self.flops_per_token = peak_flops(device), model_flops_per_token
         self.started = self.last_log = time.perf_counter()
         self.current_step = self.last_log_step = start_step
