@@ -102,9 +102,9 @@ def chat_encoder(tokenizer: Tokenizer) -> ChatEncoder:
     return ChatEncoder(tokenizer)
 
 
-def generate_text(model: CausalLM, tokenizer: Tokenizer, prompt_ids: list[int], max_new_tokens: int,
-                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0) -> str:
-    """Decode what the model writes after `prompt_ids`, stopping at <|im_end|>; tags like <think> stay."""
+def generate_ids(model: CausalLM, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0) -> list[int]:
+    """Ids the model writes after `prompt_ids`, up to (not including) <|im_end|>."""
     device = next(model.parameters()).device
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     # eos must be passed explicitly: generate's default (None) never stops early.
@@ -113,6 +113,13 @@ def generate_text(model: CausalLM, tokenizer: Tokenizer, prompt_ids: list[int], 
     new_ids = out[0, len(prompt_ids):].tolist()
     if EOS_ID in new_ids:
         new_ids = new_ids[:new_ids.index(EOS_ID)]
+    return new_ids
+
+
+def generate_text(model: CausalLM, tokenizer: Tokenizer, prompt_ids: list[int], max_new_tokens: int,
+                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0) -> str:
+    """Decode what the model writes after `prompt_ids`, stopping at <|im_end|>; tags like <think> stay."""
+    new_ids = generate_ids(model, prompt_ids, max_new_tokens, temperature, top_p, top_k)
     return chat_encoder(tokenizer).decode(new_ids)
 
 
@@ -215,8 +222,8 @@ def chat_loop(model: CausalLM, tokenizer: Tokenizer, args: argparse.Namespace, r
 
 # ---- command line ---------------------------------------------------------------------------
 
-def build_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Chat with, or evaluate, a model saved in out/")
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that choose and place a model in out/ (scripts/serve_openai_api.py takes them too)."""
     a = p.add_argument
     a("--weight", default="full_sft", help="name prefix of the weights, e.g. pretrain or full_sft")
     a("--save_dir", default=str(REPO_ROOT / "out"))
@@ -226,6 +233,13 @@ def build_arg_parser() -> argparse.ArgumentParser:
         a(f"--{name}", type=int, default=None, **({"choices": (0, 1)} if name == "use_moe" else {}),
           help="default: from the weights" + (" (MoE top-k: the file cannot tell; model default 1)"
                                               if name == "num_experts_per_tok" else ""))
+    a("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Chat with, or evaluate, a model saved in out/")
+    add_model_flags(p)
+    a = p.add_argument
     a("--prompt", default=None, help="answer this once and exit")
     a("--eval", default=None, help="SFT-format JSONL: report exact-match accuracy of greedy answers")
     a("--verbose", action="store_true", help="with --eval: print every wrong answer")
@@ -234,7 +248,6 @@ def build_arg_parser() -> argparse.ArgumentParser:
     a("--top_k", type=int, default=0, help="0 = no top-k cut")
     a("--max_new_tokens", type=int, default=64)
     a("--seed", type=int, default=42, help="for sampling when --temperature > 0")
-    a("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     return p
 
 
