@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from conftest import PRETRAIN_RUN, REPO, Lines, assert_exit_code, child_env, run_args, save, small_state, train
-from trainer.hardening import checkpoint_io as cio
+from trainer.hardening import checkpoint_io as cio, durable_files
 from trainer.hardening.checkpoint_io import CheckpointError, RunFiles
 
 
@@ -159,14 +159,15 @@ class FullDisk:
 
 
 def fill_disk_after(monkeypatch, budget: int, only_kind: str) -> None:
-    # We cannot fill the test machine's disk, so we fail at the OS boundary instead: checkpoint_io's
-    # `open` returns a file whose write() raises ENOSPC once `budget` bytes are in, for temp files of
-    # one kind ("NAME.pth.partial-...": the checkpoint data; "NAME.json.partial-...": its manifest).
+    # We cannot fill the test machine's disk, so we fail at the OS boundary instead: the `open` of
+    # durable_files (where atomic_write opens its temp file) returns a file whose write() raises ENOSPC
+    # once `budget` bytes are in, for temp files of one kind ("NAME.pth.partial-...": the checkpoint
+    # data; "NAME.json.partial-...": its manifest).
     # Everything above the write (torch.save, hashing, cleanup, error reporting) runs for real.
     def open_on_a_full_disk(path, mode="r", *args, **kwargs):
         file = open(path, mode, *args, **kwargs)
         return FullDisk(file, budget) if f"{only_kind}.partial-" in Path(path).name else file
-    monkeypatch.setattr(cio, "open", open_on_a_full_disk, raising=False)
+    monkeypatch.setattr(durable_files, "open", open_on_a_full_disk, raising=False)
 
 
 def assert_previous_still_in_charge(files: RunFiles, previous: Path) -> None:
@@ -312,19 +313,19 @@ def test_rotation_moves_a_damaged_older_checkpoint_aside_and_keeps_keep_last_goo
 def test_rotation_hashes_each_kept_file_once_per_process_not_at_every_save(files):
     for step in (1, 2, 3):
         save(files, step, keep_last=3)
-    before = cio.hashes_computed
+    before = durable_files.hashes_computed
     for step in (4, 5, 6):  # each file was hashed while it was written: rotation reads none back
         save(files, step, keep_last=3)
-    assert cio.hashes_computed == before
-    cio._known_hashes.clear()  # as in a new process after a restart: nothing is known yet
+    assert durable_files.hashes_computed == before
+    durable_files._known_hashes.clear()  # as in a new process after a restart: nothing is known yet
     save(files, 7, keep_last=3)  # verifies 6 and 5 (kept) and 4 (rotated away), once each
-    assert cio.hashes_computed == before + 3
+    assert durable_files.hashes_computed == before + 3
     save(files, 8, keep_last=3)
     save(files, 9, keep_last=3)
-    assert cio.hashes_computed == before + 3
+    assert durable_files.hashes_computed == before + 3
     replace_with_flipped(files.history_file(8))  # a changed file (new inode) is hashed again, and caught
     save(files, 10, keep_last=3)
-    assert cio.hashes_computed == before + 4 and (files.failed_dir / "step_00000008.pth").is_file()
+    assert durable_files.hashes_computed == before + 4 and (files.failed_dir / "step_00000008.pth").is_file()
     assert [p.name for p in files.history()] == ["step_00000010.pth", "step_00000009.pth", "step_00000007.pth"]
 
 

@@ -61,3 +61,39 @@ def test_imports_point_one_way_scripts_then_trainer_utils_then_hardening_then_mo
             assert not wrong, f"{folder}/{path.name} imports {wrong}"
     for path in (REPO / "model").glob("*.py"):
         assert not {m for m in imported_modules(path) if m.startswith("dataset")}, f"model/{path.name} imports dataset/"
+
+
+def hardening_imports(path: Path, modules: set[str]) -> set[str]:
+    """The modules of trainer/hardening/ that `path` imports, at its top or inside a function, in any form:
+    `from trainer.hardening import x`, `from trainer.hardening.x import y`, `import trainer.hardening.x`,
+    `from . import x`."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):  # a relative import (level 1) is one of trainer.hardening
+            base = ".".join(filter(None, ["trainer.hardening" if node.level else "", node.module or ""]))
+            names = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+        else:
+            continue
+        found.update(parts[2] for parts in (name.split(".") for name in names)
+                     if parts[:2] == ["trainer", "hardening"] and len(parts) > 2 and parts[2] in modules)
+    return found - {path.stem}
+
+
+def test_the_hardening_modules_import_each_other_without_a_circle():
+    paths = {p.stem: p for p in (REPO / "trainer" / "hardening").glob("*.py") if p.stem != "__init__"}
+    imports = {name: hardening_imports(path, set(paths)) for name, path in paths.items()}
+    assert imports["checkpoint_io"] >= {"durable_files"}, "the probe must see checkpoint_io's own imports"
+    done: set[str] = set()
+
+    def visit(name: str, chain: list[str]) -> None:  # depth first; meeting a module already on the chain is a circle
+        if name in chain:
+            raise AssertionError("import circle: " + " -> ".join(chain[chain.index(name):] + [name]))
+        if name not in done:
+            for imported in sorted(imports[name]):
+                visit(imported, chain + [name])
+            done.add(name)
+
+    for name in sorted(imports):
+        visit(name, [])

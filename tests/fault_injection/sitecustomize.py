@@ -47,30 +47,38 @@ def patch_step_numbers(module) -> None:
     module.StepNumbers.read = sleep_after(module.StepNumbers.read, STEP_DELAY)
 
 
-def patch_checkpoint_io(module) -> None:
-    stage = SAVE_DELAY / 4
-    atomic_write = module.atomic_write
-    full_disk_name = f"step_{int(DISK_FULL_AT_STEP):08d}.pth" if DISK_FULL_AT_STEP else None
+STAGE = SAVE_DELAY / 4
+FULL_DISK_NAME = f"step_{int(DISK_FULL_AT_STEP):08d}.pth" if DISK_FULL_AT_STEP else None
 
-    def disk_full(file):
-        file.write(b"x" * 100)  # some bytes land, then the disk is full
-        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+def disk_full(file):
+    file.write(b"x" * 100)  # some bytes land, then the disk is full
+    raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+
+def patch_durable_files(module) -> None:
+    """Every module that imports atomic_write imports it after this ran: they all get the slowed one."""
+    atomic_write = module.atomic_write
 
     @functools.wraps(atomic_write)
     def slow_atomic_write(path, write):
-        if path.name == full_disk_name:
+        if path.name == FULL_DISK_NAME:
             write = disk_full
-        return atomic_write(path, sleep_before(write, stage))  # the temp file is open and still empty
+        return atomic_write(path, sleep_before(write, STAGE))  # the temp file is open and still empty
 
     module.atomic_write = slow_atomic_write
-    module.atomic_write_text = sleep_before(module.atomic_write_text, stage)
-    module.check_written = sleep_before(module.check_written, stage)
+    module.atomic_write_text = sleep_before(module.atomic_write_text, STAGE)
+
+
+def patch_checkpoint_io(module) -> None:
+    module.check_written = sleep_before(module.check_written, STAGE)
 
 
 PATCHES = {}
 if STEP_DELAY > 0:
     PATCHES["trainer.hardening.step_numbers"] = patch_step_numbers
 if SAVE_DELAY > 0 or DISK_FULL_AT_STEP:
+    PATCHES["trainer.hardening.durable_files"] = patch_durable_files
     PATCHES["trainer.hardening.checkpoint_io"] = patch_checkpoint_io
 
 

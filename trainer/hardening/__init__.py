@@ -3,9 +3,11 @@
 The two training scripts and trainer_utils.py call each module here through one name, and the
 training reads the same without knowing how it works inside:
 
-    checkpoint_io.py       durable files: temp file, fsync, rename, hash manifest, rotation, fallback
+    checkpoint_io.py       checkpoints: hash manifest, resume link, rotation, fallback to an older one
+    durable_files.py       what checkpoint_io.py builds on: temp file, fsync, rename, hash, weights_only load
     background_save.py     the copy to CPU memory, then the write in a thread while training goes on
-    sharding.py            --parallel fsdp: each rank keeps a slice (sharded_checkpoint.py saves it)
+    sharding.py            --parallel fsdp: each rank keeps a slice, and saves it
+    sharded_checkpoint.py  a sharded checkpoint's folder: its manifest check, its safe reading, consolidation
     step_numbers.py        a step's loss and grad norm on their way to the host, and a refusable step
     deferred_verdict.py    the anomaly guard's verdict one step late, so the host never waits
     anomaly.py             the guard itself: NaN, spikes, explosions, plateaus; warn, stop, rollback
@@ -14,5 +16,6 @@ training reads the same without knowing how it works inside:
     resume_checks.py       a resume that changed the model, data or settings is refused
     operator_flags.py      the flags of all of the above
 
-Nothing here imports the scripts or trainer_utils.py: arrows point down only.
+Nothing here imports the scripts or trainer_utils.py, and imports between these modules form no circle:
+arrows point down only.
 """

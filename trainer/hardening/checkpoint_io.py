@@ -16,7 +16,9 @@ its own, `NAME.partial-HOST-PID-TID.tmp`; fsync, rename, fsync of the directory)
 only then moves the resume link and the latest pointer and rotates, keeping the newest `keep_last` that
 verify. A crash leaves the previous checkpoint intact; a failed save removes its own files. Resume takes the
 newest history file that verifies and loads (weights_only) and moves newer ones aside. A hash is remembered
-per process by (path, inode, size, mtime_ns): rotation reads a kept file once, not at every save.
+per process by (path, inode, size, mtime_ns): rotation reads a kept file once, not at every save. Those
+primitives (atomic writes, hashes, weights_only loads) are durable_files.py's; a sharded checkpoint's folder
+is verified and read by sharded_checkpoint.py, and written by sharding.py.
 
 At start, holding the directory lock, rank 0 removes the temp files of killed writes and checks that nothing
 but a file stands where a save must write (trainer/hardening/run_lock.py: `remove_stale_temp_files`, `check_no_obstructions`).
@@ -25,32 +27,26 @@ but a file stands where a save must write (trainer/hardening/run_lock.py: `remov
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
-import pickle
 import re
 import shutil
-import socket
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+# The file primitives; TEMP_TAIL, CheckpointError and atomic_write_text are imported from here by run_lock.py,
+# tracking.py and the scripts too.
+from trainer.hardening.durable_files import (TEMP_TAIL, CheckpointError, atomic_write, atomic_write_text, forget_hash,
+                                             fsync_dir, load_file_trusted, manifest_path, remember_hash, sha256_of,
+                                             temp_path)
+
 HISTORY_NAME = re.compile(r"^step_(\d{8})\.(?:pth|dcp)$")  # .dcp: a sharded checkpoint's folder
 STEP_FILE_NAME = re.compile(r"^step_\d{8}\.(?:pth|json)$")  # what a save writes into the history folder
-TEMP_TAIL = r"(?:\.partial-[A-Za-z0-9._-]+)?\.tmp"  # see temp_path; a bare `NAME.tmp` is an earlier version's
-
-hashes_computed = 0  # files read in full to hash them, in this process: tests check rotation does not repeat it
-_known_hashes: dict[str, tuple[tuple[int, int, int], str]] = {}  # path -> ((inode, size, mtime_ns), sha256)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written, or none could be trusted for loading."""
 
 
 @dataclass
@@ -75,97 +71,6 @@ class RunFiles:
             return []
         return sorted((p for p in self.history_dir.iterdir() if HISTORY_NAME.match(p.name)),
                       key=lambda p: p.name, reverse=True)
-
-
-def manifest_path(checkpoint: Path) -> Path:
-    return checkpoint.with_suffix(".json")
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make a rename inside `directory` durable (the rename lives in the directory's own data)."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class _HashingWriter:
-    """A write-only file object that hashes what passes through, so no second read is needed."""
-
-    def __init__(self, file):
-        self.file, self.sha256, self.size = file, hashlib.sha256(), 0
-        self.error: OSError | None = None
-
-    def write(self, data) -> int:
-        self.sha256.update(data)
-        self.size += len(data)
-        try:
-            return self.file.write(data)
-        except OSError as error:
-            self.error = error  # torch.save hides it (see atomic_write); keep it for the caller
-            raise
-
-    def flush(self) -> None:
-        self.file.flush()
-
-
-def temp_path(path: Path) -> Path:
-    """The name `path` is written under until it is complete: unique to this host, process and thread, so
-    two writers never share one (a killed write's leftover is removed at start: remove_stale_temp_files)."""
-    host = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:32]
-    return path.with_name(f"{path.name}.partial-{host}-{os.getpid()}-{threading.get_native_id()}.tmp")
-
-
-def atomic_write(path: Path, write: Callable[[Any], None]) -> tuple[int, str]:
-    """Write `path` through a temp file, fsync, rename, fsync the directory; returns (size, sha256)."""
-    tmp = temp_path(path)
-    writer = None
-    try:
-        with open(tmp, "wb") as raw:  # a plain open: the file's mode follows the umask like any other file's
-            writer = _HashingWriter(raw)
-            write(writer)
-            raw.flush()
-            os.fsync(raw.fileno())  # the bytes must be on disk before the name points at them
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except BaseException as error:
-        tmp.unlink(missing_ok=True)
-        # torch.save turns an OSError from our write() (a full disk: ENOSPC) into a bare
-        # RuntimeError "unexpected pos ..."; re-raise the real cause so callers see an OSError.
-        if writer is not None and writer.error is not None and error is not writer.error:
-            raise writer.error from error
-        raise
-    return writer.size, writer.sha256.hexdigest()
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write(path, lambda f: f.write(text.encode("utf-8")))
-
-
-def sha256_of(path: Path, cached: bool = False) -> str:
-    """The file's SHA-256. With `cached`, the one this process last computed or wrote for the same
-    (path, inode, size, mtime_ns), without reading the file again. Resume never passes `cached`: a same-size
-    rewrite in place within one tick of the filesystem clock keeps all four, and only a full hash sees it."""
-    global hashes_computed
-    with open(path, "rb") as f:  # opened even when cached: a file that became unreadable fails here
-        st = os.fstat(f.fileno())
-        identity, known = (st.st_ino, st.st_size, st.st_mtime_ns), _known_hashes.get(os.path.abspath(path))
-        if cached and known is not None and known[0] == identity:
-            return known[1]
-        digest = hashlib.sha256()
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    hashes_computed += 1
-    _known_hashes[os.path.abspath(path)] = (identity, digest.hexdigest())
-    return digest.hexdigest()
-
-
-def remember_hash(path: Path, sha256: str) -> None:
-    """Let sha256_of(path, cached=True) return `sha256` (computed while writing, or by the rank that wrote
-    the file) for as long as the file keeps its inode, size and mtime."""
-    st = os.stat(path)
-    _known_hashes[os.path.abspath(path)] = ((st.st_ino, st.st_size, st.st_mtime_ns), sha256)
 
 
 def save_verified(files: RunFiles, state: dict, step: int, keep_last: int, info: dict) -> Path:
@@ -259,7 +164,7 @@ def rotate(files: RunFiles, keep_last: int, newest: Path) -> list[Path]:
         elif path.name < newest.name:
             manifest_path(path).unlink(missing_ok=True)
             remove_checkpoint(path)
-            _known_hashes.pop(os.path.abspath(path), None)
+            forget_hash(path)
             removed.append(path)
     return removed
 
@@ -277,7 +182,7 @@ def move_aside(files: RunFiles, path: Path) -> Path:
         os.replace(manifest_path(path), manifest_path(target))
     fsync_dir(files.history_dir)
     fsync_dir(files.failed_dir)
-    _known_hashes.pop(os.path.abspath(path), None)
+    forget_hash(path)
     return target
 
 
@@ -295,7 +200,7 @@ def verify(path: Path, manifest_file: Path | None = None, cached: bool = False) 
         try:
             manifest = json.loads(manifest_file.read_text())
             if sharded:  # a folder of files (sharded_checkpoint.py), each with its size and hash
-                from trainer.hardening.sharded_checkpoint import verify_folder  # here: that module builds on this one
+                from trainer.hardening.sharded_checkpoint import verify_folder  # here: see load_trusted
                 return verify_folder(path, manifest, cached)
             expected_size, expected_sha = int(manifest["size"]), str(manifest["sha256"])
         except (ValueError, KeyError, TypeError) as error:
@@ -314,20 +219,10 @@ def load_trusted(path: Path) -> dict:
     """torch.load with weights_only=True: tensors and plain types only, never code from a pickle. A sharded
     checkpoint's folder gives its train_state.pth, with `sharded_dir` naming the folder (the tensors stay there)."""
     if path.is_dir():
-        from trainer.hardening.sharded_checkpoint import load_train_state  # here: that module builds on this one
+        # Imported here, not at the top: it imports DCP (almost a second), which a DDP run never needs.
+        from trainer.hardening.sharded_checkpoint import load_train_state
         return load_train_state(path)
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as error:
-        # torch's own message goes on to explain how to load the file unsafely; we never do that.
-        raise CheckpointError(f"{path} is refused: it holds objects other than tensors and plain types, "
-                              f"and unpickling them could run code (weights_only=True)") from error
-    except Exception as error:  # zip errors, EOF, bad magic: all mean "do not trust this file"
-        raise CheckpointError(f"{path} cannot be loaded safely: {type(error).__name__}: "
-                              f"{str(error).splitlines()[0] if str(error) else ''}") from error
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{path} holds a {type(state).__name__}, not a checkpoint dict")
-    return state
+    return load_file_trusted(path)
 
 
 def is_managed(files: RunFiles, path: Path) -> bool:

@@ -11,24 +11,36 @@ GPU count, plus one layer's full weights at a time; the price is an all-gather p
 backward instead of one all-reduce. Each decoder layer is sharded on its own, then the root (embedding,
 which lm_head shares, and the final norm), so only one layer's full weights exist at a time.
 
-Saving and loading a sharded model: DCP (see sharded_checkpoint.py) writes and reads each rank's slices.
-`restore` also loads a single `_resume.pth` into a sharded model (every rank keeps its slice of the full
-tensors) and a sharded checkpoint into a plain (DDP) model (consolidated first), so a run can switch.
+Saving and loading a sharded model: DCP writes and reads each rank's slices (sharded_checkpoint.py: the folder
+and how it is read). `restore` also loads a single `_resume.pth` into a sharded model (every rank keeps its
+slice of the full tensors) and a sharded checkpoint into a plain (DDP) model (consolidated first), so a run
+can switch.
+
+The save protocol, kill -9-safe like checkpoint_io's: all ranks agree on the step (lm_checkpoint gathers it),
+a folder left by a killed save of that step is removed, every rank writes and fsyncs its files (in the
+background with --async_save 1, through DCP's own CPU staging) and hashes them; the hashes are gathered and
+rank 0 writes the manifest last. A folder without a valid manifest is never loaded (checkpoint_io.verify),
+so a kill at any instant leaves the previous checkpoint as the newest.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from trainer.hardening.background_save import finish_saves
-from trainer.hardening.checkpoint_io import RunFiles
+from trainer.hardening.checkpoint_io import (RunFiles, cast_state_dict, move_aside, point_resume_at, rotate,
+                                             set_aside_unmanaged_resume_file)
+from trainer.hardening.durable_files import (CheckpointError, atomic_write, atomic_write_text, fsync_dir,
+                                             manifest_path, remember_hash, sha256_of)
 from trainer.hardening.resume_checks import ConfigError
 
 # FSDP, DTensor and DCP take almost a second to import, in every process: a DDP run never imports them.
@@ -77,7 +89,11 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 @contextmanager
 def no_sync(model: torch.nn.Module) -> Iterator[None]:
-    """A micro-step whose gradients are only accumulated, not yet reduced: DDP's no_sync, or FSDP's switch."""
+    """A micro-step whose gradients are only accumulated, not yet reduced: DDP's no_sync, or FSDP's switch.
+    A model in one process has nothing to reduce."""
+    if not is_sharded(model) and not hasattr(model, "no_sync"):
+        yield
+        return
     if not is_sharded(model):
         with model.no_sync():
             yield
@@ -114,8 +130,110 @@ def save_sharded(files: RunFiles, state: dict, model: torch.nn.Module, optimizer
         weights = state_dict.get_model_state_dict(model, options=full)
         if weights and model.lm_head.weight is model.model.embed_tokens.weight:
             weights["lm_head.weight"] = weights["model.embed_tokens.weight"]  # the file holds it once
-    return sharded_checkpoint.save(files, info["global_step"], tensors, state, weights, out_path, info, keep_last,
-                                   saver.background, saver.run)
+    return _write_sharded(files, info["global_step"], tensors, state, weights, out_path, info, keep_last,
+                          saver.background, saver.run)
+
+
+# ---- the sharded save: every rank its slices, rank 0 the rest and the manifest, last --------------------
+
+_save_group = None
+
+
+def save_group() -> dist.ProcessGroup:
+    """A gloo group of all ranks for the saves' own collectives: a background save talks on it from its
+    thread while training talks on the default group (also NCCL's)."""
+    global _save_group
+    if _save_group is None:
+        _save_group = dist.new_group(backend="gloo")
+    return _save_group
+
+
+def _write_sharded(files: RunFiles, step: int, tensors: dict, train_state: dict, weights: dict | None,
+                   out_path: Path, info: dict, keep_last: int, background: bool,
+                   run: Callable[[Callable[[], None]], None]) -> Path:
+    """Every rank: write this rank's slices of `tensors` into the history folder of `step`; rank 0 also
+    `train_state`, the FP16 `weights` into `out_path` (when gathered) and, last, the manifest. The files are
+    written through `run` (the saver: now, or in its thread after DCP's staging). Returns the folder."""
+    _, _, dcp, sharded_checkpoint = _fsdp()
+    group, rank = save_group(), dist.get_rank()
+    directory = files.history_dir / f"step_{step:08d}.dcp"
+    if rank == 0:
+        files.history_dir.mkdir(parents=True, exist_ok=True)
+        _clear_for_save(files, directory)
+    dist.barrier(group=group)
+    writer = dcp.FileSystemWriter(directory, sync_files=True)  # fsync of every file; the folder's own below
+    if background:  # DCP copies the tensors to CPU memory now and writes them from its own thread
+        written = dcp.async_save(tensors, storage_writer=writer, process_group=group)
+        wait = written.result
+    else:
+        dcp.save(tensors, storage_writer=writer, process_group=group)
+        wait = lambda: None  # noqa: E731
+    train_state_file = directory / sharded_checkpoint.TRAIN_STATE
+    run(lambda: _seal(files, directory, wait, train_state, train_state_file, weights, out_path, info, keep_last,
+                      group))
+    return directory
+
+
+def _clear_for_save(files: RunFiles, directory: Path) -> None:
+    """Rank 0, before a save of this step: a folder without a manifest is a killed save's, removed; one with
+    a manifest (saved before, then resumed from an older checkpoint) is moved aside, never deleted."""
+    if not directory.exists():
+        return
+    if manifest_path(directory).is_file():
+        print(f"{directory} exists from an earlier save of this step: moved to {move_aside(files, directory)}",
+              flush=True)
+    else:
+        shutil.rmtree(directory)
+
+
+def _seal(files: RunFiles, directory: Path, wait: Callable[[], object], train_state: dict, train_state_file: Path,
+          weights: dict | None, out_path: Path, info: dict, keep_last: int, group) -> None:
+    """Each rank: wait for its DCP files, hash them; rank 0 writes the rest, then the manifest, and rotates."""
+    rank, mine, problem = dist.get_rank(), {}, None
+    try:
+        wait()  # this rank's .distcp files are written and fsynced; rank 0's .metadata too
+        names = [p.name for p in directory.glob(f"__{rank}_*.distcp")] + ([".metadata"] if rank == 0 else [])
+        if rank == 0:
+            atomic_write(train_state_file, lambda f: torch.save(train_state, f))
+            names.append(train_state_file.name)
+            if weights is not None:
+                out_path.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write(out_path, lambda f: torch.save(cast_state_dict(weights, torch.float16), f))
+        fsync_dir(directory)  # the names of this rank's files are durable too
+        mine = {name: {"size": (directory / name).stat().st_size, "sha256": sha256_of(directory / name)}
+                for name in names}
+    except Exception as error:  # every rank must reach the gather below, or the others would wait on it
+        problem = f"rank {rank}: {type(error).__name__}: {error}"
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (mine, problem), group=group)
+    problems = [p for _, p in everyone if p]
+    if problems:
+        raise CheckpointError(f"could not write sharded checkpoint {directory}: {'; '.join(problems)}. Older "
+                              f"checkpoints in {files.history_dir} are untouched; fix the cause, then resume "
+                              f"with --from_resume 1")
+    if rank != 0:
+        return
+    try:
+        listed = {name: entry for files_of_rank, _ in everyone for name, entry in files_of_rank.items()}
+        for name, entry in listed.items():  # the other ranks' hashes: rotation need not read their files here
+            remember_hash(directory / name, entry["sha256"])
+        manifest = {"file": directory.name, "format": "dcp", "torch": torch.__version__,
+                    "world_size": len(everyone), "step": info["global_step"], **info, "files": listed}
+        atomic_write_text(manifest_path(directory), json.dumps(manifest, indent=1) + "\n")  # last
+        aside = set_aside_unmanaged_resume_file(files)
+        if aside is not None:
+            print(f"kept {files.resume_link.name}, which this project's checkpoints do not account for, as {aside}",
+                  flush=True)
+        point_resume_at(files, directory)
+    except OSError as error:
+        raise CheckpointError(f"could not write the manifest of {directory}: {error}. Older checkpoints in "
+                              f"{files.history_dir} are untouched; free space or fix permissions, then resume "
+                              f"with --from_resume 1") from error
+    try:
+        rotate(files, keep_last, directory)
+    except OSError as error:
+        raise CheckpointError(f"checkpoint {directory} is saved and verified, but older ones in "
+                              f"{files.history_dir} could not be deleted or moved aside: {error}") from error
 
 
 def restore(state: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
