@@ -18,7 +18,9 @@ windows instead: no padding, every position carries loss.
 
 Files are indexed by byte offset and parsed lazily, so memory does not grow with the
 amount of text; every line is still checked once up front, so a broken line stops a
-run before training starts rather than hours into it.
+run before training starts rather than hours into it. Each read checks the record again
+against the index (dataset/jsonl_file.py), so a file edited under a running trainer stops
+it with a line saying so, not with a KeyError from a record that changed.
 """
 
 from __future__ import annotations
