@@ -11,7 +11,7 @@ from conftest import (REPO, TINY_MODEL, child_env, free_port, metrics_of, resume
 from dataset.lm_dataset import SFTDataset
 from model.model import CausalLM, LMConfig
 from model.tokenizer import PAD_ID, load_tokenizer
-from trainer.trainer_utils import lm_checkpoint
+from trainer.trainer_utils import Position, RunSpec, lm_checkpoint
 
 
 def step_losses(trace: list[dict]) -> list[float]:
@@ -82,11 +82,14 @@ def test_lm_checkpoint_round_trip(tmp_path):
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.randint(0, 64, (2, 8)), labels=torch.randint(0, 64, (2, 8))).loss.backward()
     optimizer.step()
-    lm_checkpoint(config, weight="demo", model=model, optimizer=optimizer, epoch=1, step=5,
-                  save_dir=str(tmp_path / "out"), checkpoint_dir=str(tmp_path / "ckpt"), samples_consumed=40,
-                  global_step=17, train_args={"batch_size": 8}, data_fingerprint={"lines": 100})
-    state = lm_checkpoint(config, weight="demo", checkpoint_dir=str(tmp_path / "ckpt"), log=lambda m: None)
+    settings = {"batch_size": 8, "accumulation_steps": 1, "global_batch_size": None, "world_size": 1}
+    run = RunSpec(settings=settings, data_fingerprint={"lines": 100}, num_samples=100,
+                  global_batch=8, given_sizes={})
+    lm_checkpoint(config, "demo", model, optimizer, 1, 5, None, str(tmp_path / "out"), str(tmp_path / "ckpt"),
+                  position=Position(epoch=1, samples_consumed=40, global_step=17), run=run)
+    state = lm_checkpoint(config, weight="demo", checkpoint_dir=str(tmp_path / "ckpt"))  # minimind's call
     assert (state["epoch"], state["step"], state["global_step"], state["samples_consumed"]) == (1, 5, 17, 40)
+    assert state["train_args"] == run.settings and state["data_fingerprint"] == run.data_fingerprint
     for key, value in model.state_dict().items():
         assert torch.equal(state["model"][key], value)  # FP32 master weights, bit for bit
     restored = torch.optim.AdamW(CausalLM(config).parameters())
@@ -95,8 +98,8 @@ def test_lm_checkpoint_round_trip(tmp_path):
     fp16 = torch.load(tmp_path / "out" / "demo_32.pth", weights_only=True)
     assert fp16["model.embed_tokens.weight"].dtype == torch.float16
     # With a different geometry the step is re-derived from the sample cursor: 40 of 100 at 16/step.
-    rescaled = lm_checkpoint(config, weight="demo", checkpoint_dir=str(tmp_path / "ckpt"), num_samples=100,
-                             global_batch=16, log=lambda m: None)
+    rescaled = lm_checkpoint(config, weight="demo", checkpoint_dir=str(tmp_path / "ckpt"),
+                             run=run._replace(global_batch=16))
     # 100 samples at 16 per step: 7 steps an epoch, 4 left from sample 40, so this is step 3.
     assert rescaled["step"] == 3 and rescaled["samples_consumed"] == 40
 

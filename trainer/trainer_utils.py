@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset, Sampler
 
 from dataset.jsonl_file import DataFileError
-from model.hf import load_project_weights
+from model.hf import export_hf, load_project_weights
 from model.model import CausalLM, LMConfig
 from trainer.hardening import checkpoint_io, resume_checks, sharding
 from trainer.hardening.anomaly import AnomalyStop
@@ -40,6 +40,7 @@ from trainer.hardening.checkpoint_io import CheckpointError
 from trainer.hardening.elastic_store import attempt_store
 from trainer.hardening.resume_checks import ConfigError
 from trainer.hardening.run_lock import release_held
+from trainer.hardening.stopping import continue_command
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -115,6 +116,22 @@ def cleanup_distributed(exit_code: int = 0) -> None:
     sys.stderr.flush()
     release_held()  # the directory lock; os._exit skips atexit
     os._exit(exit_code)
+
+
+def sum_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` summed over every rank, in place (one process: as it is)."""
+    if dist.is_initialized():
+        dist.all_reduce(tensor)
+    return tensor
+
+
+def end_of_run(at: "Position", args, stop_signal: str | None, world_size: int) -> str:
+    """The run's last log line: where it ended, and how to continue a run that stopped early."""
+    if at.epoch >= args.epochs:
+        return f"training finished at step {at.global_step}; weights in {args.save_dir}"
+    reason = stop_signal or f"--max_steps {args.max_steps} reached"
+    return (f"stopped at step {at.global_step} ({reason}); checkpoint saved. To continue: "
+            f"{continue_command(sys.argv, world_size)}")
 
 
 def rank0_logger(is_main: bool) -> Callable[[str], None]:
@@ -226,6 +243,11 @@ class SkipBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         return sum(self.micro_steps_per_step(step) for step in range(self.num_steps()))
+
+
+def trained_indices(micro_batches: list) -> list[int]:
+    """The sample indices in a step's micro-batches (as IndexedDataset yields them), placeholders left out."""
+    return [int(i) for indices, _, _ in micro_batches for i in indices if i != PLACEHOLDER_INDEX]
 
 
 class IndexedDataset(Dataset):
@@ -341,101 +363,155 @@ def restore_training_state(state: dict, model: torch.nn.Module, optimizer: torch
         random.setstate((rng["python"]["version"], tuple(rng["python"]["state"].tolist()), rng["python"]["gauss_next"]))
 
 
+class Position(NamedTuple):
+    """Where a run is in its data: the epoch, the samples of its permutation consumed, the steps taken."""
+    epoch: int = 0
+    samples_consumed: int = 0  # the data position: the one number a resume trusts
+    global_step: int = 0  # optimizer steps since the run began; trackers log against it
+
+    def after(self, window: int, num_samples: int) -> "Position":
+        """The position once a step of `window` samples is taken (an epoch's last step starts the next)."""
+        consumed = self.samples_consumed + window
+        return Position(self.epoch + (consumed == num_samples), consumed % num_samples, self.global_step + 1)
+
+
+class RunSpec(NamedTuple):
+    """What a checkpoint of this run records and a resume of it checks; and which checkpoint resumes it."""
+    settings: dict  # batch geometry, seed, LR, epochs (resume_checks.resume_settings)
+    data_fingerprint: dict  # size, records and hash of the training file
+    num_samples: int
+    global_batch: int
+    given_sizes: dict  # the size flags given on the command line
+    resume_path: str | None = None  # None: the newest good checkpoint
+
+
+def total_steps(at: Position, num_samples: int, global_batch: int, epochs: int) -> int:
+    """The step the run will end at, from its position in the data."""
+    return at.global_step + steps_left(num_samples, at.samples_consumed, global_batch) + (
+        epochs - at.epoch - 1) * steps_left(num_samples, 0, global_batch)
+
+
 def lm_checkpoint(lm_config: LMConfig, weight: str = "full_sft", model=None, optimizer=None, epoch: int = 0,
                   step: int = 0, wandb=None, save_dir: str = "out", checkpoint_dir: str = "checkpoints", *,
-                  samples_consumed: int = 0, global_step: int = 0, scaler=None, lr: float = 0.0,
-                  train_args: dict | None = None, data_fingerprint: dict | None = None,
-                  anomaly_state: dict | None = None, rng_state: dict | None = None, keep_last: int = 2, swanlab=None,
-                  saver: BackgroundSaver | None = None, resume_path: str | None = None,
-                  num_samples: int | None = None, global_batch: int | None = None, given_sizes: dict | None = None,
-                  gather_weights: bool = True, log=print) -> dict | Path | None:
+                  position: Position | None = None, scaler=None, run: RunSpec | None = None,
+                  anomaly_state: dict | None = None, rng_state: dict | None = None,
+                  saver: BackgroundSaver | None = None) -> dict | Path | None:
     """Save a checkpoint (when `model` is given; returns the kept file it writes) or load the newest good one.
 
-    The positional parameters are minimind's; the keywords after `*` are what exact resume adds.
-    Saving runs on every rank (it gathers each rank's RNG state: `rng_state`, as captured right after
-    the step being saved, or else now); rank 0 writes, through `saver`. A sharded (FSDP) model is saved by
-    every rank, as a sharded checkpoint; `gather_weights` False skips its FP16 out/ file.
-    Loading returns the newest checkpoint that verifies (or `resume_path`'s), checked against this
-    run's `lm_config` (or, with `given_sizes`, only the sizes the flags give), `data_fingerprint` and
-    `train_args`, its step label for `global_batch`; None if the run has none.
+    The positional parameters are minimind's (`wandb`: a wandb run, or the dict of tracker runs by name);
+    the keywords are what exact resume adds. Saving runs on every rank: it gathers each rank's RNG state
+    (`rng_state`, as it was right after the step saved, or else now); rank 0 writes through `saver`
+    (background or not, how many to keep). A sharded (FSDP) model is saved by every rank.
+    Loading returns the newest checkpoint that verifies (or `run.resume_path`'s), checked against `run`
+    and this `lm_config`, its step label rescaled to this run's global batch; None if the run has none.
     """
     files = checkpoint_io.RunFiles(Path(checkpoint_dir), run_name(weight, lm_config))
-    if model is not None:  # Save
-        gathered = [(global_step, rng_state or capture_rng_state())]
-        if dist.is_initialized():  # every rank's RNG, and the step each rank is saving: it must be one step
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, gathered_step := (global_step, rng_state or capture_rng_state()))
-            if len({step_of_rank for step_of_rank, _ in gathered}) > 1:
-                raise CheckpointError(f"the ranks are saving different steps {[s for s, _ in gathered]}: a bug; "
-                                      f"nothing was written (rank {dist.get_rank()} is at {gathered_step[0]})")
-        rng_states = [rng for _, rng in gathered]
-        error, sharded, kept = None, sharding.is_sharded(model), files.history_file(global_step)
-        if sharded or not dist.is_initialized() or dist.get_rank() == 0:
-            # What a `_resume.pth` holds: everything the next optimizer step depends on.
-            state = {
-                "format_version": 1,
-                "model": unwrap(model).state_dict(),  # FP32 master weights (the out/ file gets an FP16 copy)
-                "optimizer": optimizer.state_dict(),  # AdamW's moments and step counts
-                "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,  # fp16 only
-                "epoch": epoch,
-                "samples_consumed": samples_consumed,  # the data position: the one number resume trusts
-                "step": step,  # a label: this run's global batches that reach samples_consumed
-                "global_step": global_step,  # optimizer steps since the run began; trackers log against it
-                "world_size": len(rng_states), "lr": lr,
-                "rng": rng_states,  # one entry per rank: torch, cuda, numpy, python
-                # What resume_checks compares, to refuse a resume that would not continue this run:
-                "lm_config": resume_checks.plain(lm_config.to_dict()),
-                "train_args": resume_checks.plain(train_args or {}),  # batch geometry, seed, LR, epochs
-                "data_fingerprint": resume_checks.plain(data_fingerprint or {}),  # size, lines, sampled hash
-                "anomaly": resume_checks.plain(anomaly_state or {}),  # the guard's memory: history, rollbacks
-                "tracker_ids": {"wandb": _tracker_id(wandb, "wandb"), "swanlab": _tracker_id(swanlab, "swanlab")},
-            }
-            info = {"epoch": epoch, "global_step": global_step, "samples_consumed": samples_consumed}  # manifest
-            out_path = Path(save_dir) / f"{files.name}.pth"
-            saver = saver or BackgroundSaver(background=False, pin_memory=False)
-            try:  # copy to CPU memory, then write (in the background if the saver does): checkpoint_io's protocol
-                if sharded:  # FSDP: every rank writes its slices, rank 0 the rest (sharding.py)
-                    kept = sharding.save_sharded(files, state, unwrap(model), optimizer, out_path, keep_last, info,
-                                                 saver, gather_weights)
-                else:
-                    saver.submit(state, lambda copy: checkpoint_io.write_checkpoint_files(files, out_path, copy,
-                                                                                         keep_last, info))
-            except Exception as caught:  # re-raised below, after telling the other ranks to stop too
-                error = caught
-        if dist.is_initialized():  # every rank must stop together if a rank could not save
-            failed = [None] * dist.get_world_size()
-            dist.all_gather_object(failed, error is not None)
-            if any(failed) and error is None:
-                raise CheckpointError(f"rank {failed.index(True)} could not save the checkpoint (see its error)")
-        if error is not None:
-            raise error
-        return kept  # the kept copy (the _resume.pth link moves on at the next save)
+    if model is None:
+        return _load_checkpoint(files, lm_config, run)
+    position = position or Position(epoch, 0, step)
+    rng_states = _gather_rng_states(position.global_step, rng_state or capture_rng_state())
+    trackers = wandb if isinstance(wandb, dict) else {"wandb": wandb}
+    saver = saver or BackgroundSaver(background=False, pin_memory=False)
+    error, sharded, kept = None, sharding.is_sharded(model), files.history_file(position.global_step)
+    if sharded or not dist.is_initialized() or dist.get_rank() == 0:
+        # What a `_resume.pth` holds: everything the next optimizer step depends on.
+        state = {
+            "format_version": 1,
+            "model": unwrap(model).state_dict(),  # FP32 master weights (the out/ file gets an FP16 copy)
+            "optimizer": optimizer.state_dict(),  # AdamW's moments and step counts
+            "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,  # fp16 only
+            "epoch": position.epoch,
+            "samples_consumed": position.samples_consumed,  # the data position: the one number resume trusts
+            "step": step,  # a label: this run's global batches that reach samples_consumed
+            "global_step": position.global_step,  # optimizer steps since the run began; trackers log against it
+            "world_size": len(rng_states), "lr": optimizer.param_groups[0]["lr"],
+            "rng": rng_states,  # one entry per rank: torch, cuda, numpy, python
+            # What resume_checks compares, to refuse a resume that would not continue this run:
+            "lm_config": resume_checks.plain(lm_config.to_dict()),
+            "train_args": resume_checks.plain(run.settings if run else {}),  # batch geometry, seed, LR, epochs
+            "data_fingerprint": resume_checks.plain(run.data_fingerprint if run else {}),  # size, lines, hash
+            "anomaly": resume_checks.plain(anomaly_state or {}),  # the guard's memory: history, rollbacks
+            "tracker_ids": {name: _tracker_id(trackers.get(name), name) for name in ("wandb", "swanlab")},
+        }
+        info = {"epoch": position.epoch, "global_step": position.global_step,
+                "samples_consumed": position.samples_consumed}  # for the manifest
+        try:  # copy to CPU memory, then write (in the background if the saver does): checkpoint_io's protocol
+            kept = _write(files, state, model, optimizer, Path(save_dir) / f"{files.name}.pth", info, saver)
+        except Exception as caught:  # re-raised below, after telling the other ranks to stop too
+            error = caught
+    _raise_on_every_rank(error)
+    if saver.hf_tokenizer is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+        export_hf(unwrap(model).state_dict(), lm_config, Path(save_dir) / f"{files.name}_hf", saver.hf_tokenizer)
+    return kept  # the kept copy (the _resume.pth link moves on at the next save)
 
-    # Load: the newest checkpoint that verifies, checked against this run, its step label rescaled.
-    state = checkpoint_io.load_newest(files, resume_path, log)
-    if state is None or num_samples is None or global_batch is None:  # minimind's call: the state as saved
+
+def _load_checkpoint(files: checkpoint_io.RunFiles, lm_config: LMConfig, run: RunSpec | None) -> dict | None:
+    """lm_checkpoint's load: the newest checkpoint that verifies, checked against this run, its step label
+    rescaled to this run's global batch (minimind's call, without `run`: the state as saved)."""
+    log = _rank0_print
+    state = checkpoint_io.load_newest(files, run.resume_path if run else None, log)
+    if state is None or run is None:
+        if run is not None:
+            log(f"--from_resume 1: no checkpoint of {files.name} in {files.checkpoint_dir} yet; starting fresh")
         return state
-    train_args = train_args or {"world_size": state["world_size"]}
     if resume_checks.is_minimind_layout(state):  # minimind's file has no cursor: a position from its step
-        state = resume_checks.from_minimind_layout(state, lm_config, data_fingerprint, train_args, num_samples, log)
-    if given_sizes is not None:  # sizes no flag gives are the checkpoint's own, as with --from_weight's file
-        try:
-            lm_config = LMConfig.from_dict({**state["lm_config"], **given_sizes})
-        except (ValueError, TypeError) as error:
-            raise ConfigError(f"{state['resumed_from']}: its model config does not fit this version ({error})")
-    if data_fingerprint is not None:  # a run resuming: refuse a changed model, data or setting
-        for note in resume_checks.check_resume_compatible(state, lm_config.to_dict(), data_fingerprint, train_args):
-            log(f"resume: {note}")
+        state = resume_checks.from_minimind_layout(state, lm_config, run.data_fingerprint, run.settings,
+                                                   run.num_samples, log)
+    try:  # sizes no flag gives are the checkpoint's own, as with --from_weight's file
+        lm_config = LMConfig.from_dict({**state["lm_config"], **run.given_sizes})
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"{state['resumed_from']}: its model config does not fit this version ({error})")
+    for note in resume_checks.check_resume_compatible(state, lm_config.to_dict(), run.data_fingerprint,
+                                                      run.settings):
+        log(f"resume: {note}")
     # The step label on this GPU count. The data position is samples_consumed, so the label is
     # the number of this run's global batches that reach it, ceil-divided at an epoch's short
     # tail: `samples_consumed // global_batch` when it divides. minimind rescales the step
     # instead, `step * old_ws // new_ws`, which is the same number whenever that division is exact.
-    old_step, state["step"] = state["step"], step_in_epoch(num_samples, state["samples_consumed"], global_batch)
+    old_step, state["step"] = state["step"], step_in_epoch(run.num_samples, state["samples_consumed"], run.global_batch)
     if state["global_step"] is None:  # minimind's file does not count the steps of earlier epochs
-        steps_per_epoch = step_in_epoch(num_samples, num_samples, global_batch)
+        steps_per_epoch = step_in_epoch(run.num_samples, run.num_samples, run.global_batch)
         state["global_step"] = state["epoch"] * steps_per_epoch + state["step"]
-    log(_resume_summary(state, old_step, train_args["world_size"]))
+    log(_resume_summary(state, old_step, run.settings["world_size"]))
     return state
+
+
+def _gather_rng_states(global_step: int, rng_state: dict) -> list[dict]:
+    """Every rank's RNG state, in rank order; every rank must be saving the same step."""
+    if not dist.is_initialized():
+        return [rng_state]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (global_step, rng_state))
+    if len({step_of_rank for step_of_rank, _ in gathered}) > 1:
+        raise CheckpointError(f"the ranks are saving different steps {[s for s, _ in gathered]}: a bug; "
+                              f"nothing was written (rank {dist.get_rank()} is at {global_step})")
+    return [rng for _, rng in gathered]
+
+
+def _write(files, state: dict, model, optimizer, out_path: Path, info: dict, saver: BackgroundSaver) -> Path:
+    """Hand the state to the saver: one file through checkpoint_io, or, for FSDP, every rank's slices."""
+    if sharding.is_sharded(model):  # every rank writes its slices, rank 0 the rest (sharding.py)
+        return sharding.save_sharded(files, state, unwrap(model), optimizer, out_path, saver.keep_last, info, saver,
+                                     saver.gather_weights)
+    saver.submit(state, lambda copy: checkpoint_io.write_checkpoint_files(files, out_path, copy, saver.keep_last,
+                                                                         info))
+    return files.history_file(info["global_step"])
+
+
+def _raise_on_every_rank(error: BaseException | None) -> None:
+    """Every rank stops together if a rank could not save."""
+    if dist.is_initialized():
+        failed = [None] * dist.get_world_size()
+        dist.all_gather_object(failed, error is not None)
+        if any(failed) and error is None:
+            raise CheckpointError(f"rank {failed.index(True)} could not save the checkpoint (see its error)")
+    if error is not None:
+        raise error
+
+
+def _rank0_print(message: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
 
 
 def _resume_summary(state: dict, old_step: int, world_size: int) -> str:

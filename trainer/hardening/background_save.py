@@ -23,10 +23,14 @@ from trainer.hardening.checkpoint_io import CheckpointError
 
 
 class BackgroundSaver:
-    """Copies a state to reused CPU buffers, then writes it: in a thread when `background`, else at once."""
+    """Copies a state to reused CPU buffers, then writes it: in a thread when `background`, else at once.
+    It also carries how lm_checkpoint writes: `keep_last` verified checkpoints, `gather_weights` (FSDP:
+    write the FP16 out/ file), `hf_tokenizer` (export an HF folder with this tokenizer at every save)."""
 
-    def __init__(self, background: bool, pin_memory: bool):
+    def __init__(self, background: bool, pin_memory: bool, keep_last: int = 2, gather_weights: bool = True,
+                 hf_tokenizer: str | None = None):
         self.background, self.pin_memory = background, pin_memory
+        self.keep_last, self.gather_weights, self.hf_tokenizer = keep_last, gather_weights, hf_tokenizer
         self.buffers: dict[str, torch.Tensor] = {}
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None

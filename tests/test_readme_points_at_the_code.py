@@ -1,0 +1,75 @@
+"""The tour and the exercises of README.md and README_zh.md point at files, tests, functions and sections
+that exist where they say: a renamed function or a moved file fails here, not in a learner's evening."""
+
+from __future__ import annotations
+
+import ast
+import re
+
+import pytest
+import torch
+
+from conftest import REPO
+
+READMES = ("README.md", "README_zh.md")
+FOLDERS = ("model", "dataset", "trainer", "scripts", "benchmarks", "tests", "docs")
+
+
+def backticked(text: str) -> list[str]:
+    return re.findall(r"`([^`\n]+)`", text)
+
+
+def tour(readme: str) -> str:
+    """The reading tour and the exercises: the section "Read the code, then break it"."""
+    text = (REPO / readme).read_text(encoding="utf-8")
+    start = text.index("## Read the code" if readme == "README.md" else "## 先读代码")
+    return text[start:text.index("\n## ", start + 1)]
+
+
+def defined_names() -> set[str]:
+    names = set()
+    for path in REPO.glob("*/**/*.py"):
+        if ".git" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Assign):
+                names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return names
+
+
+@pytest.mark.parametrize("readme", READMES)
+def test_every_file_and_test_the_readme_names_exists(readme):
+    text = (REPO / readme).read_text(encoding="utf-8")
+    missing = []
+    for token in backticked(text):
+        for path in re.findall(rf"\b(?:{'|'.join(FOLDERS)})/[\w./-]*\w(?:::\w+)?", token):
+            file, _, test = path.partition("::")
+            if "*" in file or not re.search(r"\.(py|sh|png|jsonl|json|sbatch)$", file):
+                continue
+            if not (REPO / file).exists():
+                missing.append(file)
+            elif test and not re.search(rf"^def {test}\(", (REPO / file).read_text(encoding="utf-8"), re.M):
+                missing.append(path)
+    assert not missing, f"{readme} names what does not exist: {sorted(set(missing))}"
+
+
+@pytest.mark.parametrize("readme", READMES)
+def test_every_function_the_tour_and_exercises_name_exists(readme):
+    names = defined_names()
+    named = set()
+    for token in backticked(tour(readme)):
+        for name in re.findall(r"(?:^|[\s.(])([A-Za-z_]\w*)(?=\(|$)", token):
+            code_like = "_" in name.strip("_") or re.match(r"[A-Z][a-z]+[A-Z]", name)  # snake_ or CamelCase
+            if code_like and not re.search(r"\d", name) and not hasattr(torch.optim.Optimizer, name):
+                named.add(name)
+    assert len(named) >= 20, named  # the tour names the code it walks through
+    assert not named - names, f"{readme}'s tour names code that does not exist: {sorted(named - names)}"
+
+
+def test_the_sections_the_readme_counts_are_the_scripts_sections():
+    text = (REPO / "trainer" / "train_pretrain.py").read_text(encoding="utf-8")
+    sections = re.findall(r"# ---- (\d+)\. ", text)
+    assert "sections\n   1–9" in tour("README.md") and "第 1–9 节" in tour("README_zh.md")
+    assert sections == [str(i) for i in range(1, 10)], sections
