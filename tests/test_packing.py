@@ -158,7 +158,7 @@ def test_sft_has_no_pack_flag_and_records_pack_0():
 
 
 def test_packing_stats_prints_the_loss_share_of_both_formats(tmp_path, pretrain_data):
-    command = [sys.executable, str(REPO / "scripts" / "packing_stats.py"), "--data_path", str(pretrain_data),
+    command = [sys.executable, str(REPO / "benchmarks" / "packing_stats.py"), "--data_path", str(pretrain_data),
                "--max_seq_len", str(SEQ), "--hidden_size", "32", "--num_hidden_layers", "1", "--batch_size", "2",
                "--steps", "1"]
     result = subprocess.run(command, cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=120)
