@@ -31,6 +31,7 @@ from model.tokenizer import load_tokenizer
 from trainer.hardening.anomaly import install_debug_injection
 from trainer.hardening.background_save import BackgroundSaver, finish_saves
 from trainer.hardening.deferred_verdict import DeferredVerdict, Rollback, Step, StopRequested
+from trainer.hardening.flag_checks import check_flags
 from trainer.hardening.operator_flags import add_operator_flags
 from trainer.hardening.resume_checks import data_fingerprint, resume_settings
 from trainer.hardening.run_lock import claim_run_directories
@@ -80,10 +81,7 @@ def parse_args() -> argparse.Namespace:
     a("--system_prompt_ratio", type=float, default=None, help="share given a generic system prompt")  # stage
     a("--drop_empty_think_ratio", type=float, default=None, help="share with empty <think> dropped")  # stage: both minimind's
     add_operator_flags(parser)  # trackers, kept checkpoints, background saves, metrics, validation, anomaly policy
-    args = parser.parse_args()
-    if args.use_compile is None:  # where it pays: 2.5x on an H100; on a CPU compiling costs more than it saves
-        args.use_compile = int(args.device.startswith("cuda"))
-    return args
+    return check_flags(parser.parse_args())  # every value in its range, every path of its kind (exit 2)
 
 
 def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds, val_ds, run: RunSpec,
@@ -235,7 +233,8 @@ def main() -> None:
                 at = Position(*judge.rolled_back(rollback, state))  # no checkpoint yet: AnomalyStop
                 restore_training_state(state, model, optimizer, scaler, rank, world_size)
                 tracker.rollback(at.global_step, total_steps(at, n, global_batch, args.epochs))
-        if done is not None:  # ---- 8. The last step's log line, validation and save -----------------
+        # ---- 8. The last step's log line, validation and save ----------------------------------------
+        if done is not None:  # (None: this invocation had no step to take)
             at = done.step.after
             tracker.log(done.metrics, done.number, total_steps(at, n, global_batch, args.epochs))
             if val_ds is not None:
