@@ -3,14 +3,11 @@
     1. running         REPO_ROOT, expected errors (one line, exit 2), distributed init/teardown, logger, seeds
     2. schedule        get_lr (follows the position in the data), batch geometry
     3. data order      samples_consumed -> SkipBatchSampler: which samples each rank trains, in what order
-    4. model           the model from flags or from --from_weight's file; the step's numbers on the host
-    5. checkpoints     lm_checkpoint: the commented `_resume.pth` dict on save; on load, the state and
-                       the step label rescaled to this run's GPU count
+    4. model           the model from flags or from --from_weight's file
+    5. checkpoints     lm_checkpoint: the commented `_resume.pth` dict on save; on load (_load_checkpoint),
+                       the state and the step label rescaled to this run's GPU count
 
-Production hardening sits behind one call each, in modules you may skip: checkpoint_io.py (atomic,
-hashed, rotated files), background_save.py (write while training goes on), resume_checks.py (refuse a
-resume that changed the model, data or settings), anomaly.py, tracking.py (and validation), stopping.py;
-their flags come from operator_flags.py.
+The production hardening sits behind one call each in trainer/hardening/, which a first reading skips.
 """
 
 from __future__ import annotations
@@ -40,6 +37,7 @@ from trainer.hardening.checkpoint_io import CheckpointError
 from trainer.hardening.elastic_store import attempt_store
 from trainer.hardening.resume_checks import ConfigError
 from trainer.hardening.run_lock import release_held
+from trainer.hardening.save_on_ranks import gather_rng_states, raise_on_every_rank, write_checkpoint
 from trainer.hardening.stopping import continue_command
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -409,7 +407,7 @@ def lm_checkpoint(lm_config: LMConfig, weight: str = "full_sft", model=None, opt
     if model is None:
         return _load_checkpoint(files, lm_config, run)
     position = position or Position(epoch, 0, step)
-    rng_states = _gather_rng_states(position.global_step, rng_state or capture_rng_state())
+    rng_states = gather_rng_states(position.global_step, rng_state or capture_rng_state())
     trackers = wandb if isinstance(wandb, dict) else {"wandb": wandb}
     saver = saver or BackgroundSaver(background=False, pin_memory=False)
     error, sharded, kept = None, sharding.is_sharded(model), files.history_file(position.global_step)
@@ -436,10 +434,10 @@ def lm_checkpoint(lm_config: LMConfig, weight: str = "full_sft", model=None, opt
         info = {"epoch": position.epoch, "global_step": position.global_step,
                 "samples_consumed": position.samples_consumed}  # for the manifest
         try:  # copy to CPU memory, then write (in the background if the saver does): checkpoint_io's protocol
-            kept = _write(files, state, model, optimizer, Path(save_dir) / f"{files.name}.pth", info, saver)
+            kept = write_checkpoint(files, state, unwrap(model), optimizer, Path(save_dir) / f"{files.name}.pth", info, saver)
         except Exception as caught:  # re-raised below, after telling the other ranks to stop too
             error = caught
-    _raise_on_every_rank(error)
+    raise_on_every_rank(error)
     if saver.hf_tokenizer is not None and (not dist.is_initialized() or dist.get_rank() == 0):
         export_hf(unwrap(model).state_dict(), lm_config, Path(save_dir) / f"{files.name}_hf", saver.hf_tokenizer)
     return kept  # the kept copy (the _resume.pth link moves on at the next save)
@@ -472,58 +470,13 @@ def _load_checkpoint(files: checkpoint_io.RunFiles, lm_config: LMConfig, run: Ru
     if state["global_step"] is None:  # minimind's file does not count the steps of earlier epochs
         steps_per_epoch = step_in_epoch(run.num_samples, run.num_samples, run.global_batch)
         state["global_step"] = state["epoch"] * steps_per_epoch + state["step"]
-    log(_resume_summary(state, old_step, run.settings["world_size"]))
+    log(resume_checks.resume_summary(state, old_step, run.settings["world_size"]))
     return state
-
-
-def _gather_rng_states(global_step: int, rng_state: dict) -> list[dict]:
-    """Every rank's RNG state, in rank order; every rank must be saving the same step."""
-    if not dist.is_initialized():
-        return [rng_state]
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (global_step, rng_state))
-    if len({step_of_rank for step_of_rank, _ in gathered}) > 1:
-        raise CheckpointError(f"the ranks are saving different steps {[s for s, _ in gathered]}: a bug; "
-                              f"nothing was written (rank {dist.get_rank()} is at {global_step})")
-    return [rng for _, rng in gathered]
-
-
-def _write(files, state: dict, model, optimizer, out_path: Path, info: dict, saver: BackgroundSaver) -> Path:
-    """Hand the state to the saver: one file through checkpoint_io, or, for FSDP, every rank's slices."""
-    if sharding.is_sharded(model):  # every rank writes its slices, rank 0 the rest (sharding.py)
-        return sharding.save_sharded(files, state, unwrap(model), optimizer, out_path, saver.keep_last, info, saver,
-                                     saver.gather_weights)
-    saver.submit(state, lambda copy: checkpoint_io.write_checkpoint_files(files, out_path, copy, saver.keep_last,
-                                                                         info))
-    return files.history_file(info["global_step"])
-
-
-def _raise_on_every_rank(error: BaseException | None) -> None:
-    """Every rank stops together if a rank could not save."""
-    if dist.is_initialized():
-        failed = [None] * dist.get_world_size()
-        dist.all_gather_object(failed, error is not None)
-        if any(failed) and error is None:
-            raise CheckpointError(f"rank {failed.index(True)} could not save the checkpoint (see its error)")
-    if error is not None:
-        raise error
 
 
 def _rank0_print(message: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(message, flush=True)
-
-
-def _resume_summary(state: dict, old_step: int, world_size: int) -> str:
-    """The log line of a resume: where it continues, and what changed with the world size."""
-    old_ws, minimind = state["world_size"], state.get("from_minimind", False)
-    change = f"world size {old_ws} -> {world_size}: " if old_ws != world_size else ""
-    exact = "the count only: minimind's order differs" if minimind else "exact"
-    rng = "RNG restored" if len(state["rng"]) == world_size else (
-        "RNG reseeded" + ("" if minimind else " for the new world size"))
-    return (f"resumed from {state['resumed_from']}: {change}epoch step {old_step} -> {state['step']}, resuming at "
-            f"sample {state['samples_consumed']} of epoch {state['epoch'] + 1} ({exact}; global step "
-            f"{state['global_step']}, {rng})")
 
 
 def _tracker_id(run, name: str) -> str | None:

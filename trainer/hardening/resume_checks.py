@@ -132,3 +132,15 @@ def from_minimind_layout(raw: dict, lm_config, fingerprint: dict, train_args: di
         "tracker_ids": {"wandb": raw.get("wandb_id"), "swanlab": None}, "resumed_from": raw["resumed_from"],
         "anomaly": {}, "from_minimind": True,
     }
+
+
+def resume_summary(state: dict, old_step: int, world_size: int) -> str:
+    """The log line of a resume: where it continues, and what changed with the world size."""
+    old_ws, minimind = state["world_size"], state.get("from_minimind", False)
+    change = f"world size {old_ws} -> {world_size}: " if old_ws != world_size else ""
+    exact = "the count only: minimind's order differs" if minimind else "exact"
+    rng = "RNG restored" if len(state["rng"]) == world_size else (
+        "RNG reseeded" + ("" if minimind else " for the new world size"))
+    return (f"resumed from {state['resumed_from']}: {change}epoch step {old_step} -> {state['step']}, resuming at "
+            f"sample {state['samples_consumed']} of epoch {state['epoch'] + 1} ({exact}; global step "
+            f"{state['global_step']}, {rng})")
