@@ -6,6 +6,7 @@ training reads the same without knowing how it works inside:
     checkpoint_io.py       checkpoints: hash manifest, resume link, rotation, fallback to an older one
     durable_files.py       what checkpoint_io.py builds on: temp file, fsync, rename, hash, weights_only load
     background_save.py     the copy to CPU memory, then the write in a thread while training goes on
+    save_on_ranks.py       lm_checkpoint's save on every rank: RNG states gathered, a failure raised on all
     sharding.py            --parallel fsdp: each rank keeps a slice, and saves it
     sharded_checkpoint.py  a sharded checkpoint's folder: its manifest check, its safe reading, consolidation
     step_numbers.py        a step's loss and grad norm on their way to the host, and a refusable step
@@ -14,7 +15,7 @@ training reads the same without knowing how it works inside:
     tracking.py            console, metrics and status files, wandb, SwanLab, validation
     run_lock.py            one trainer per directory; stopping.py, SIGTERM and Ctrl-C
     resume_checks.py       a resume that changed the model, data or settings is refused
-    operator_flags.py      the flags of all of the above
+    operator_flags.py      the flags of all of the above; flag_checks.py, every flag's range and kind
 
 Nothing here imports the scripts or trainer_utils.py, and imports between these modules form no circle:
 arrows point down only.
