@@ -26,7 +26,7 @@ if __package__ in (None, ""):  # run as a file: the repository, not this folder,
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from model.hf import infer_sizes, size_flags
-from trainer.hardening.checkpoint_io import CheckpointError, RunFiles, load_trusted, manifest_path, verify
+from trainer.hardening.checkpoint_io import CheckpointError, RunFiles, load_trusted, manifest_of, verify
 
 
 # ---- small helpers --------------------------------------------------------------------------
@@ -66,7 +66,7 @@ def find_manifested_file(path: Path) -> Path | None:
     A history file has its manifest beside it. `R_resume.pth` is a hard link to the newest history
     file, so it is matched by inode (os.path.samefile), falling back to the `R_latest.txt` pointer.
     """
-    if manifest_path(path).is_file():
+    if manifest_of(path).is_file():
         return path
     if not path.name.endswith("_resume.pth"):
         return None
@@ -76,7 +76,7 @@ def find_manifested_file(path: Path) -> Path | None:
             return candidate
     if files.latest_pointer.is_file():
         candidate = path.parent / files.latest_pointer.read_text().strip()
-        if candidate.is_file() and manifest_path(candidate).is_file():
+        if candidate.is_file() and manifest_of(candidate).is_file():
             return candidate
     return None
 
@@ -86,11 +86,11 @@ def integrity(path: Path) -> tuple[bool | None, str]:
     source = find_manifested_file(path)
     if source is None:
         return None, "no manifest (cannot verify the bytes; out/ files and copied checkpoints have none)"
-    where = f"{source.parent.name}/{manifest_path(source).name}"
+    where = f"{source.parent.name}/{manifest_of(source).name}"
     if os.path.samefile(source, path):
         problem = verify(source)
     else:
-        problem = verify(path, manifest_path(source))
+        problem = verify(path, manifest_of(source))
     if problem:
         return False, f"PROBLEM: {problem} (manifest {where})"
     return True, f"OK, verified against manifest {where} (size and SHA-256 match)"
@@ -193,8 +193,8 @@ def describe_history(checkpoint_dir: str | Path, run: str) -> str:
         problem = verify(path)
         status = "OK" if problem is None else f"PROBLEM: {problem}"
         info = ""
-        if manifest_path(path).is_file() and problem is None:
-            m = json.loads(manifest_path(path).read_text())
+        if manifest_of(path).is_file() and problem is None:
+            m = json.loads(manifest_of(path).read_text())
             info = f" epoch {m.get('epoch')} global step {m.get('global_step')} samples {m.get('samples_consumed')}"
         mark = " <- resume link" if resume is not None and os.path.samefile(resume, path) else ""
         lines.append(f"  {path.name}  {human_size(path.stat().st_size):>10}  {status}{info}{mark}")

@@ -58,7 +58,7 @@ def test_rotation_keeps_exactly_the_newest_keep_last_and_links_the_newest(files)
     for step in range(1, 6):
         save(files, step, keep_last=2)
     assert names(files.history_dir, "*.pth") == ["step_00000004.pth", "step_00000005.pth"]
-    assert names(files.history_dir, "*.json") == ["step_00000004.json", "step_00000005.json"]
+    assert names(files.history_dir, "*.json") == ["step_00000004.pth.json", "step_00000005.pth.json"]
     assert all(cio.verify(p) is None for p in files.history())
     assert files.resume_link.stat().st_ino == files.history_file(5).stat().st_ino
     assert_newest_is(files, files.history_file(5))
@@ -81,7 +81,7 @@ def test_damaged_newest_is_detected_and_the_previous_one_is_used(files, damage, 
     assert len(skipped) == 1 and newest.name in skipped[0] and reason in skipped[0]
     # Moved out of the history with its manifest, and the line says where; the resume link names the one used.
     assert str(files.failed_dir / newest.name) in skipped[0] and not newest.exists()
-    assert (files.failed_dir / "step_00000004.json").is_file()
+    assert (files.failed_dir / "step_00000004.pth.json").is_file()
     assert_newest_is(files, older)
 
 
@@ -288,7 +288,7 @@ def test_after_resuming_past_a_damaged_newest_rotation_keeps_keep_last_good_ones
     save(files, 7, keep_last=2)
     assert [p.name for p in files.history()] == ["step_00000007.pth", "step_00000006.pth"]
     assert all(cio.verify(p) is None for p in files.history())
-    assert names(files.failed_dir, "*") == ["step_00000009.json", "step_00000009.pth"]
+    assert names(files.failed_dir, "*") == ["step_00000009.pth", "step_00000009.pth.json"]
     assert any(str(files.failed_dir / "step_00000009.pth") in line for line in log)
     assert_newest_is(files, files.history_file(7))
     assert names(files.checkpoint_dir, "*unmanaged*") == []  # the link named 6 after the resume: ours, replaced
@@ -300,7 +300,7 @@ def test_rotation_moves_a_damaged_older_checkpoint_aside_and_keeps_keep_last_goo
     replace_with_flipped(files.history_file(2))
     save(files, 4, keep_last=3)
     assert [p.name for p in files.history()] == ["step_00000004.pth", "step_00000003.pth", "step_00000001.pth"]
-    assert names(files.failed_dir, "*") == ["step_00000002.json", "step_00000002.pth"]
+    assert names(files.failed_dir, "*") == ["step_00000002.pth", "step_00000002.pth.json"]
     assert "SHA-256 does not match" in capsys.readouterr().out
     # A second damaged file of the same step is moved aside too, never over the first one.
     save(files, 2, keep_last=4)
@@ -329,6 +329,53 @@ def test_rotation_hashes_each_kept_file_once_per_process_not_at_every_save(files
     assert [p.name for p in files.history()] == ["step_00000010.pth", "step_00000009.pth", "step_00000007.pth"]
 
 
+# ---- one manifest per checkpoint, and an earlier version's manifest name still read ------------
+
+def as_earlier_version_wrote_it(path: Path) -> Path:
+    """Give the manifest of `path` the name versions before the two-part name wrote: `step_N.json`."""
+    earlier = path.with_suffix(".json")
+    os.replace(cio.manifest_path(path), earlier)
+    return earlier
+
+
+def test_a_checkpoint_whose_manifest_has_the_earlier_name_verifies_loads_falls_back_and_rotates(files):
+    older, newest = save(files, 2, keep_last=3), save(files, 4, keep_last=3)
+    for path in (older, newest):
+        as_earlier_version_wrote_it(path)
+        assert cio.verify(path) is None
+    assert cio.newest_good_checkpoint(files, Lines())[0] == newest
+    flip_byte_in_middle(newest)
+    log = Lines()
+    assert cio.newest_good_checkpoint(files, log)[0] == older
+    assert any("SHA-256 does not match" in line for line in log)
+    assert names(files.failed_dir, "*") == ["step_00000004.pth", "step_00000004.pth.json"]  # renamed on the way
+    save(files, 2, keep_last=3)  # step 2 again: its earlier manifest described the bytes now replaced, and goes
+    assert names(files.history_dir, "step_*") == ["step_00000002.pth", "step_00000002.pth.json"]
+    as_earlier_version_wrote_it(older)
+    save(files, 5, keep_last=1)  # rotation deletes step 2 with its manifest of the earlier name
+    assert names(files.history_dir, "step_*") == ["step_00000005.pth", "step_00000005.pth.json"]
+
+
+def test_an_earlier_manifest_of_a_sharded_checkpoint_is_not_taken_for_a_file_of_the_same_step(files):
+    # Before manifests had two-part names, a step saved as step_N.pth and then as step_N.dcp shared
+    # step_N.json: the second save's manifest replaced the first's. The file has no manifest now.
+    path = save(files, 4)
+    earlier = as_earlier_version_wrote_it(path)
+    earlier.write_text(json.dumps({**json.loads(earlier.read_text()), "file": "step_00000004.dcp"}))
+    assert cio.verify(path) == "no manifest step_00000004.pth.json (the save was interrupted)"
+    assert cio.manifest_of(files.history_dir / "step_00000004.dcp") == earlier
+
+
+def test_a_step_saved_as_a_file_and_as_a_folder_is_newest_in_the_order_they_were_written(files):
+    file = save(files, 4)
+    folder = files.history_dir / "step_00000004.dcp"
+    folder.mkdir()
+    os.utime(file, ns=(1_000_000_000, 1_000_000_000))
+    assert files.history()[:2] == [folder, file]
+    os.utime(folder, ns=(500_000_000, 500_000_000))
+    assert files.history()[:2] == [file, folder]
+
+
 # ---- an unreadable checkpoint is skipped like a corrupt one ------------------------------------
 
 RESUME_AS_ANOTHER_USER = """
@@ -350,7 +397,7 @@ print(json.dumps({"path": str(path), "step": state["step"], "log": lines}))
 """
 
 
-@pytest.mark.parametrize("unreadable", [".pth", ".json"])
+@pytest.mark.parametrize("unreadable", [".pth", ".pth.json"])
 def test_an_unreadable_newest_checkpoint_or_manifest_is_skipped_and_the_older_one_used(unreadable):
     if os.geteuid() == 0:
         try:
@@ -366,7 +413,7 @@ def test_an_unreadable_newest_checkpoint_or_manifest_is_skipped_and_the_older_on
         if os.geteuid() == 0:
             for path in [checkpoint_dir, *checkpoint_dir.rglob("*")]:
                 os.chown(path, nobody.pw_uid, nobody.pw_gid, follow_symlinks=False)
-        newest.with_suffix(unreadable).chmod(0o000)
+        newest.with_name(newest.stem + unreadable).chmod(0o000)  # the checkpoint, or its manifest
         result = subprocess.run([sys.executable, "-c", RESUME_AS_ANOTHER_USER, str(REPO), str(checkpoint_dir)],
                                 capture_output=True, text=True, timeout=120, env=child_env())
         assert_exit_code(result)
@@ -435,6 +482,6 @@ def test_resume_past_a_damaged_newest_checkpoint_keeps_the_good_older_one(tmp_pa
                    cwd=tmp_path)
     assert [p.name for p in files.history()] == ["step_00000003.pth", "step_00000002.pth"]
     assert all(cio.verify(p) is None for p in files.history())
-    assert names(files.failed_dir, "*") == ["step_00000004.json", "step_00000004.pth"]
+    assert names(files.failed_dir, "*") == ["step_00000004.pth", "step_00000004.pth.json"]
     assert str(files.failed_dir / "step_00000004.pth") in result.stdout + result.stderr
     assert_newest_is(files, files.history_file(3))

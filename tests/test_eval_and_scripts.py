@@ -186,7 +186,7 @@ def test_bench_gpu_suite_runs_at_a_tiny_size_on_the_cpu(capsys, tmp_path):
 def test_inspect_resume_file_shows_position_and_verifies_it(runs):
     text = inspect_checkpoint.describe_checkpoint(resume_path(runs["a"]))
     assert "resume checkpoint" in text
-    assert re.search(r"integrity: +OK, verified against manifest pretrain_32_history/step_00000003.json", text)
+    assert re.search(r"integrity: +OK, verified against manifest pretrain_32_history/step_00000003\.pth\.json", text)
     assert re.search(r"global step: +3\n", text)
     assert re.search(rf"samples consumed: +{STEPS * BATCH} of {NUM_SAMPLES} samples", text)
     assert re.search(r"world size: +1\n", text) and "GradScaler scale: not used" in text
@@ -203,7 +203,7 @@ def test_inspect_weights_file_infers_the_size_flags(runs):
 
 def test_inspect_reports_truncated_and_corrupted_copies(runs, tmp_path, capsys):
     history = runs["a"] / "ckpt" / "pretrain_32_history"
-    for name in ("step_00000003.pth", "step_00000003.json"):
+    for name in ("step_00000003.pth", "step_00000003.pth.json"):
         shutil.copy(history / name, tmp_path / name)
     copy = tmp_path / "step_00000003.pth"
     data = copy.read_bytes()

@@ -35,7 +35,7 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint_in_charge(tmp_path,
         kill_job(job)  # SIGKILL to the launcher and both ranks at once
 
     # The survivor: step 2, complete and verified, still named by the resume link.
-    assert verify(in_flight) == "no manifest step_00000004.json (the save was interrupted)"
+    assert verify(in_flight) == "no manifest step_00000004.pth.json (the save was interrupted)"
     assert verify(files.history_file(2)) is None
     assert files.resume_link.samefile(files.history_file(2))
 

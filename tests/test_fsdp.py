@@ -129,7 +129,7 @@ def test_checkpoints_reshard_two_three_one_and_switch_between_ddp_and_fsdp_exact
     assert_each_sample_once(trace_of(tmp_path / "to_fsdp"), num_samples=37, epochs=1)
     assert not single.exists()  # the newest checkpoint is a folder now; the link to the older file is gone
     assert sorted(p.name for p in history(tmp_path / "to_fsdp").iterdir()) == [
-        "step_00000004.json", "step_00000004.pth", "step_00000008.dcp", "step_00000008.json"]  # 16 + 3 x 6 + 3
+        "step_00000004.pth", "step_00000004.pth.json", "step_00000008.dcp", "step_00000008.dcp.json"]  # 16 + 3 x 6 + 3
 
     # FSDP on 2 ranks -> DDP on 3: the shards are put together on every rank.
     to_ddp = run_args(tmp_path / "to_ddp", pretrain_data, "--batch_size", "2", "--epochs", "2")
@@ -140,6 +140,31 @@ def test_checkpoints_reshard_two_three_one_and_switch_between_ddp_and_fsdp_exact
     assert_each_sample_once(trace_of(tmp_path / "to_ddp"), num_samples=37, epochs=2)
     assert resume_file(tmp_path / "to_ddp")["global_step"] == 5 + 3 + 7  # 17 left in epoch 1, 37 in 2: steps of 6
     assert (tmp_path / "to_ddp" / "out" / f"{PRETRAIN_RUN}.pth").is_file()
+
+
+def test_one_step_saved_by_ddp_then_fsdp_then_ddp_keeps_a_manifest_each_and_the_newest_loads(tmp_path,
+                                                                                             pretrain_data):
+    files = RunFiles(tmp_path / "ckpt", PRETRAIN_RUN)
+    args = run_args(tmp_path, pretrain_data, "--batch_size", "2", "--epochs", "1", "--save_interval", "2",
+                    "--keep_last", "3")
+    train("train_pretrain.py", 2, [*args, "--max_steps", "4"], tmp_path)  # DDP: steps 2 and 4, as files
+    # Resumed from a copy of step 2 kept elsewhere: nothing in the history is set aside, so each run below
+    # saves step 4 again beside the earlier ones (a step_4.json of the earlier name would have been shared).
+    older = tmp_path / "kept" / "step_00000002.pth"
+    older.parent.mkdir()
+    for path in (files.history_file(2), cio.manifest_path(files.history_file(2))):
+        shutil.copy(path, older.parent / path.name)
+    for parallel, saved in (("fsdp", "step_00000004.dcp"), ("ddp", "step_00000004.pth")):
+        train("train_pretrain.py", 2, [*args, "--parallel", parallel, "--resume_path", str(older), "--max_steps",
+                                       "2"], tmp_path)
+        assert {p.name for p in files.history()} == {"step_00000002.pth", "step_00000004.pth", "step_00000004.dcp"}
+        for path in files.history():
+            assert cio.manifest_of(path) == cio.manifest_path(path) and cio.verify(path) is None, path
+        assert json.loads(cio.manifest_path(files.history_dir / saved).read_text())["file"] == saved
+        assert files.history()[0].name == saved  # the step saved last is the newest; resume takes it
+        state = cio.load_newest(files, None, Lines())
+        assert state["resumed_from"] == str(files.history_dir / saved) and state["global_step"] == 4
+    assert not list(files.history_dir.glob("step_*[0-9].json"))  # no manifest of the earlier, shared name
 
 
 # ---- the files of a sharded checkpoint, made once by a real 2-rank run ------------------------------
@@ -174,7 +199,7 @@ def test_a_sharded_run_rolls_back_to_its_checkpoint_and_validates_on_uneven_shar
 
 def test_sharded_checkpoints_rotate_and_the_newest_is_named_by_the_latest_pointer(run_copy):
     names = sorted(p.name for p in history(run_copy).iterdir())
-    assert names == [f"step_0000000{s}.{kind}" for s in (2, 4, 6) for kind in ("dcp", "json")]
+    assert names == [f"step_0000000{s}.{kind}" for s in (2, 4, 6) for kind in ("dcp", "dcp.json")]
     assert (run_copy / "ckpt" / f"{PRETRAIN_RUN}_latest.txt").read_text() == \
         f"{PRETRAIN_RUN}_history/step_00000006.dcp\n"
     assert not (run_copy / "ckpt" / f"{PRETRAIN_RUN}_resume.pth").exists()

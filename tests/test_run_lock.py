@@ -159,7 +159,7 @@ def test_every_obstruction_is_named_in_one_line_and_nothing_is_changed(files, tm
     out_path = tmp_path / "out" / "pretrain_32.pth"
     assert run_lock.find_obstructions(files, out_path) == []
     files.failed_dir.write_text("a file where the folder for failed checkpoints goes")
-    folders = [files.history_file(3), files.history_dir / "step_00000003.json", files.latest_pointer, out_path]
+    folders = [files.history_file(3), files.history_dir / "step_00000003.pth.json", files.latest_pointer, out_path]
     files.latest_pointer.unlink()
     for folder in folders:
         folder.mkdir(parents=True)
@@ -193,7 +193,9 @@ def test_stale_temp_files_of_the_run_are_removed_and_nothing_else(files, tmp_pat
     save(files, 2)
     ours = [files.history_dir / "step_00000004.pth.tmp",  # an earlier version's fixed name
             files.history_dir / "step_00000004.pth.partial-node1-123-456.tmp",
-            files.history_dir / "step_00000004.json.partial-node1-123-456.tmp",
+            files.history_dir / "step_00000004.pth.json.partial-node1-123-456.tmp",
+            files.history_dir / "step_00000004.dcp.json.partial-node1-123-456.tmp",
+            files.history_dir / "step_00000004.json.partial-node1-123-456.tmp",  # an earlier version's manifest
             files.checkpoint_dir / "pretrain_32_resume.pth.partial-node1-123-456.tmp",
             files.checkpoint_dir / "pretrain_32_latest.txt.tmp", out_dir / "pretrain_32.pth.partial-node2-9-9.tmp"]
     not_ours = [files.history_dir / "notes.tmp", files.checkpoint_dir / "full_sft_32_resume.pth.partial-n-1-1.tmp",

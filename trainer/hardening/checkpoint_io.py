@@ -7,7 +7,9 @@ Layout for a run named R (e.g. `pretrain_512`) in the checkpoint directory:
       R_latest.txt              the name of that history file, written atomically
       R_history/
         step_00000300.pth       verified states, the newest `--keep_last` of them
-        step_00000300.json      manifest: size, sha256, epoch, step, samples consumed
+        step_00000300.pth.json  its manifest: size, sha256, epoch, step, samples consumed (named after the
+                                whole name, so a step_00000300.dcp of a sharded run has a manifest of its own;
+                                an earlier version's step_00000300.json is still read: durable_files.manifest_of)
         failed_verification/    files that failed their manifest check or to load, with their
                                 manifests: moved here and logged, never counted, never deleted
 
@@ -41,12 +43,13 @@ import torch.distributed as dist
 
 # The file primitives; TEMP_TAIL, CheckpointError and atomic_write_text are imported from here by run_lock.py,
 # tracking.py and the scripts too.
-from trainer.hardening.durable_files import (TEMP_TAIL, CheckpointError, atomic_write, atomic_write_text, forget_hash,
-                                             fsync_dir, load_file_trusted, manifest_path, remember_hash, sha256_of,
-                                             temp_path)
+from trainer.hardening.durable_files import (TEMP_TAIL, CheckpointError, atomic_write, atomic_write_text,
+                                             earlier_manifest, forget_hash, fsync_dir, load_file_trusted,
+                                             manifest_of, manifest_path, remember_hash, sha256_of, temp_path)
 
 HISTORY_NAME = re.compile(r"^step_(\d{8})\.(?:pth|dcp)$")  # .dcp: a sharded checkpoint's folder
-STEP_FILE_NAME = re.compile(r"^step_\d{8}\.(?:pth|json)$")  # what a save writes into the history folder
+# What a save writes into the history folder, as files: checkpoints and manifests (`.json` alone: earlier versions').
+STEP_FILE_NAME = re.compile(r"^step_\d{8}\.(?:pth|json|pth\.json|dcp\.json)$")
 
 
 @dataclass
@@ -66,11 +69,21 @@ class RunFiles:
         return self.history_dir / f"step_{step:08d}.pth"
 
     def history(self) -> list[Path]:
-        """Kept checkpoint files, newest (highest step) first."""
+        """Kept checkpoints, newest first: highest step, then, for a step saved both as a file and as a sharded
+        folder (a run switched between DDP and FSDP and saved that step again), the one written last."""
         if not self.history_dir.is_dir():
             return []
-        return sorted((p for p in self.history_dir.iterdir() if HISTORY_NAME.match(p.name)),
-                      key=lambda p: p.name, reverse=True)
+        found = [p for p in self.history_dir.iterdir() if HISTORY_NAME.match(p.name)]
+        # The stem is `step_` and 8 digits: its order is the steps'. The name last keeps a tie in one order.
+        return sorted(found, key=lambda p: (p.stem, _written_at(p), p.name), reverse=True)
+
+
+def _written_at(path: Path) -> int:
+    """When a checkpoint was last written (a folder's time is that of its last file added), in ns; 0 if gone."""
+    try:
+        return os.lstat(path).st_mtime_ns
+    except OSError:
+        return 0
 
 
 def save_verified(files: RunFiles, state: dict, step: int, keep_last: int, info: dict) -> Path:
@@ -85,6 +98,7 @@ def save_verified(files: RunFiles, state: dict, step: int, keep_last: int, info:
         remember_hash(path, sha)  # the hash just computed while writing: rotation need not read the file back
         manifest = {"file": path.name, "size": size, "sha256": sha, "step": step, **info}
         atomic_write_text(manifest_path(path), json.dumps(manifest, indent=1) + "\n")
+        remove_earlier_manifest(path)
         check_written(path, size)
         aside = set_aside_unmanaged_resume_file(files)
         if aside is not None:
@@ -145,24 +159,32 @@ def link_resume_to(files: RunFiles, path: Path) -> None:
         raise
 
 
+def remove_earlier_manifest(path: Path) -> None:
+    """After writing the manifest of `path`: an earlier version's manifest of the bytes it replaced goes."""
+    earlier = earlier_manifest(path)
+    if earlier is not None:
+        earlier.unlink()
+
+
 def rotate(files: RunFiles, keep_last: int, newest: Path) -> list[Path]:
     """Keep `newest` (just written) and the newest checkpoints below it that verify (remembered hashes: a
     file is read once per process), `keep_last` in all; delete older ones. One that fails verification is
     moved into failed_verification/, not counted. Good ones above `newest` (put there by hand) are left."""
-    kept, removed = 1, []
+    kept, removed, below_newest = 1, [], False
     for path in files.history():
         if path == newest:
+            below_newest = True
             continue
         problem = verify(path, cached=True)
-        if not manifest_path(path).is_file():  # a save killed before its manifest: never was a checkpoint
+        if not manifest_of(path).is_file():  # a save killed before its manifest: never was a checkpoint
             remove_checkpoint(path)
             print(f"removed {path}: its save was interrupted before the manifest was written", flush=True)
         elif problem is not None:
             print(f"checkpoint {path} fails verification ({problem}): moved to {move_aside(files, path)}", flush=True)
-        elif path.name < newest.name and kept < keep_last:
+        elif below_newest and kept < keep_last:
             kept += 1
-        elif path.name < newest.name:
-            manifest_path(path).unlink(missing_ok=True)
+        elif below_newest:
+            manifest_of(path).unlink()
             remove_checkpoint(path)
             forget_hash(path)
             removed.append(path)
@@ -177,9 +199,10 @@ def move_aside(files: RunFiles, path: Path) -> Path:
     while os.path.lexists(target) or os.path.lexists(manifest_path(target)):
         n += 1
         target = files.failed_dir / f"{path.stem}.{n}{path.suffix}"
+    manifest = manifest_of(path)
     os.replace(path, target)  # data first: a kill before the manifest follows leaves only a stray manifest
-    if os.path.lexists(manifest_path(path)):
-        os.replace(manifest_path(path), manifest_path(target))
+    if os.path.lexists(manifest):
+        os.replace(manifest, manifest_path(target))  # named after `target` there, whatever its name was
     fsync_dir(files.history_dir)
     fsync_dir(files.failed_dir)
     forget_hash(path)
@@ -188,9 +211,9 @@ def move_aside(files: RunFiles, path: Path) -> Path:
 
 def verify(path: Path, manifest_file: Path | None = None, cached: bool = False) -> str | None:
     """None if `path` matches its manifest (size and SHA-256), else what is wrong; a file or manifest
-    that cannot be read is one more thing wrong. The manifest is the one beside `path`, or `manifest_file`
-    for a copy that lives elsewhere. `cached`: trust a hash this process already has (see sha256_of)."""
-    manifest_file = manifest_path(path) if manifest_file is None else manifest_file
+    that cannot be read is one more thing wrong. The manifest is the one beside `path` (manifest_of), or
+    `manifest_file` for a copy that lives elsewhere. `cached`: trust a hash this process already has (sha256_of)."""
+    manifest_file = manifest_of(path) if manifest_file is None else manifest_file
     try:
         sharded = path.is_dir() and HISTORY_NAME.match(path.name) and path.suffix == ".dcp"
         if not sharded and not path.is_file():
@@ -227,7 +250,7 @@ def load_trusted(path: Path) -> dict:
 
 def is_managed(files: RunFiles, path: Path) -> bool:
     """True if `path` is one of the run's history files that has a manifest (the resume link is one)."""
-    return any(manifest_path(p).is_file() and os.path.samefile(p, path) for p in files.history())
+    return any(manifest_of(p).is_file() and os.path.samefile(p, path) for p in files.history())
 
 
 def set_aside_unmanaged_resume_file(files: RunFiles) -> Path | None:
@@ -249,7 +272,7 @@ def newest_good_checkpoint(files: RunFiles, log: Callable[[str], None]) -> tuple
     candidates = files.history()
     if not candidates:
         return None
-    if not files.resume_link.exists() and not any(manifest_path(p).is_file() for p in candidates):
+    if not files.resume_link.exists() and not any(manifest_of(p).is_file() for p in candidates):
         # No save ever completed here: debris of a killed first save. Starting fresh loses nothing;
         # refusing would leave the run stuck.
         log(f"ignoring {', '.join(p.name for p in candidates)} in {files.history_dir}: no manifest, "
@@ -279,7 +302,7 @@ def _set_aside_failed(files: RunFiles, good: Path, failed: list[tuple[Path, str]
         if good.is_dir() or link.is_file() and is_managed(files, link) and not os.path.samefile(link, good):
             point_resume_at(files, good)
         for path, problem in failed:
-            if not manifest_path(path).is_file():  # a save killed before its manifest: its space is given back
+            if not manifest_of(path).is_file():  # a save killed before its manifest: its space is given back
                 remove_checkpoint(path)
                 log(f"skipping checkpoint {path}: {problem}; removed it")
             else:
@@ -338,14 +361,15 @@ def _choose_checkpoint(files: RunFiles, resume_path: str | None, log) -> tuple[s
     problem = verify(path)
     if problem:
         raise CheckpointError(f"--resume_path {path} cannot be trusted: {problem}")
-    newer = [p for p in files.history() if p.name > path.name]
+    history = [p.name for p in files.history()]
+    newer = history[:history.index(path.name)] if path.name in history else []
     if newer and path.parent.resolve() == files.history_dir.resolve():
         # Set newer checkpoints aside (not deleted), or a later --from_resume 1 would jump back to them.
         aside = files.history_dir / f"discarded_after_{path.stem}"
         aside.mkdir(exist_ok=True)
-        for p in newer:
-            for f in (p, manifest_path(p)):
+        for p in (files.history_dir / name for name in newer):
+            for f in (p, manifest_of(p)):
                 if f.exists():
                     os.replace(f, aside / f.name)
-        log(f"resuming from {path}; moved the newer checkpoints {', '.join(p.name for p in newer)} to {aside}")
+        log(f"resuming from {path}; moved the newer checkpoints {', '.join(newer)} to {aside}")
     return str(path), load_trusted(path)

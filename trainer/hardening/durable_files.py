@@ -2,9 +2,10 @@
 
 A file is written under a temp name of its own (`NAME.partial-HOST-PID-TID.tmp`), flushed, fsynced, renamed
 over its real name and its directory fsynced, hashing the bytes as they pass: a kill at any instant leaves
-either the old file or the new one, never half of one. A manifest (JSON beside the checkpoint) records the
-size and SHA-256 of those bytes; a hash is remembered per process by (path, inode, size, mtime_ns), so a kept
-file is read once, not at every save. Loading is torch.load with weights_only=True, always.
+either the old file or the new one, never half of one. A manifest (JSON beside the checkpoint, named after
+it: `step_00000300.pth.json`) records the size and SHA-256 of those bytes; a hash is remembered per process
+by (path, inode, size, mtime_ns), so a kept file is read once, not at every save. Loading is torch.load
+with weights_only=True, always.
 
 checkpoint_io.py (single-file checkpoints, rotation, fallback) and sharded_checkpoint.py (the folders of
 --parallel fsdp) build on this module; it imports nothing of theirs.
@@ -13,6 +14,7 @@ checkpoint_io.py (single-file checkpoints, rotation, fallback) and sharded_check
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pickle
 import re
@@ -34,7 +36,30 @@ class CheckpointError(RuntimeError):
 
 
 def manifest_path(checkpoint: Path) -> Path:
-    return checkpoint.with_suffix(".json")
+    """Where the manifest of `checkpoint` is written: its full name plus `.json` (`step_00000300.pth.json`),
+    so a step saved both as a file and as a sharded folder (`.dcp`) has two manifests, one each."""
+    return checkpoint.with_name(checkpoint.name + ".json")
+
+
+def earlier_manifest(checkpoint: Path) -> Path | None:
+    """The `step_00000300.json` that versions before the two-part manifest name wrote, if it describes
+    `checkpoint`: it does unless its "file" names a checkpoint of the other kind (`.dcp` for a `.pth`, or
+    back). One that cannot be read is taken as this checkpoint's: verify then says what is wrong with it."""
+    earlier = checkpoint.with_suffix(".json")
+    if not earlier.is_file():
+        return None
+    try:
+        named = json.loads(earlier.read_text())["file"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return earlier
+    return None if isinstance(named, str) and Path(named).suffix != checkpoint.suffix else earlier
+
+
+def manifest_of(checkpoint: Path) -> Path:
+    """The manifest that describes `checkpoint`: its own, or else an earlier version's (earlier_manifest);
+    manifest_path when there is neither. Everything that reads or moves a manifest asks here."""
+    own = manifest_path(checkpoint)
+    return own if os.path.lexists(own) else earlier_manifest(checkpoint) or own
 
 
 def fsync_dir(directory: Path) -> None:

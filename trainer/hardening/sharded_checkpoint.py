@@ -13,7 +13,7 @@ One folder per save, in the history folder of checkpoint_io.py, beside single-fi
                                    train_state.pth                         the rest: cursor, epoch, every
                                         rank's RNG, config, data fingerprint, guard memory, tracker ids, the
                                         optimizer's settings; plain values, loadable with weights_only=True
-    R_history/step_00000300.json   manifest: size and SHA-256 of every file above, the torch version
+    R_history/step_00000300.dcp.json   manifest: size and SHA-256 of every file above, the torch version
 
 sharding.py writes the folder, in the kill -9-safe protocol (the manifest last); a folder without a valid
 manifest is never loaded (checkpoint_io.verify, which calls verify_folder here). Fallback, rotation,

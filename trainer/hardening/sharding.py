@@ -37,10 +37,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from trainer.hardening.background_save import finish_saves
-from trainer.hardening.checkpoint_io import (RunFiles, cast_state_dict, move_aside, point_resume_at, rotate,
-                                             set_aside_unmanaged_resume_file)
+from trainer.hardening.checkpoint_io import (RunFiles, cast_state_dict, move_aside, point_resume_at,
+                                             remove_earlier_manifest, rotate, set_aside_unmanaged_resume_file)
 from trainer.hardening.durable_files import (CheckpointError, atomic_write, atomic_write_text, fsync_dir,
-                                             manifest_path, remember_hash, sha256_of)
+                                             manifest_of, manifest_path, remember_hash, sha256_of)
 from trainer.hardening.resume_checks import ConfigError
 
 # FSDP, DTensor and DCP take almost a second to import, in every process: a DDP run never imports them.
@@ -179,7 +179,7 @@ def _clear_for_save(files: RunFiles, directory: Path) -> None:
     a manifest (saved before, then resumed from an older checkpoint) is moved aside, never deleted."""
     if not directory.exists():
         return
-    if manifest_path(directory).is_file():
+    if manifest_of(directory).is_file():
         print(f"{directory} exists from an earlier save of this step: moved to {move_aside(files, directory)}",
               flush=True)
     else:
@@ -220,6 +220,7 @@ def _seal(files: RunFiles, directory: Path, wait: Callable[[], object], train_st
         manifest = {"file": directory.name, "format": "dcp", "torch": torch.__version__,
                     "world_size": len(everyone), "step": info["global_step"], **info, "files": listed}
         atomic_write_text(manifest_path(directory), json.dumps(manifest, indent=1) + "\n")  # last
+        remove_earlier_manifest(directory)
         aside = set_aside_unmanaged_resume_file(files)
         if aside is not None:
             print(f"kept {files.resume_link.name}, which this project's checkpoints do not account for, as {aside}",
