@@ -14,14 +14,17 @@ from pathlib import Path
 
 import torch
 
-from conftest import FAULT_INJECTION_DIR, TINY_MODEL, child_env, launch_command, read_trace, train, wait_until
+from conftest import (FAULT_INJECTION_DIR, TINY_MODEL, assert_exit_code, child_env, launch_command, read_trace, train,
+                      wait_until)
 from benchmarks.soak_kill import kill_job
 from trainer.hardening.checkpoint_io import RunFiles, manifest_path, verify
 
 
 def job_args(tmp_path: Path, data: Path, *extra: str) -> list[str]:
+    # The trace has a record per step whatever --log_interval is; a metrics line every step would also
+    # rewrite the status file every step, and the slowed writes would slow each step as much as a save stage.
     return ["--data_path", str(data), "--save_dir", str(tmp_path / "out"), "--checkpoint_dir", str(tmp_path / "ckpt"),
-            "--save_debug_train_output", str(tmp_path / "trace.jsonl"), "--log_interval", "1", "--batch_size", "2",
+            "--save_debug_train_output", str(tmp_path / "trace.jsonl"), "--log_interval", "1000", "--batch_size", "2",
             *extra]
 
 
@@ -53,7 +56,7 @@ def test_training_goes_on_while_a_save_is_written_and_sigkill_then_resumes_from_
     in_flight = files.history_file(4)
     args = job_args(tmp_path, pretrain_data, "--save_interval", "2", "--epochs", "1")
     job = subprocess.Popen(launch_command("train_pretrain.py", 2, [*TINY_MODEL, *args]), cwd=tmp_path,
-                           env=fault_env(FAULT_SAVE_DELAY_S=4.0, FAULT_STEP_DELAY_S=0.05),
+                           env=fault_env(FAULT_SAVE_DELAY_S=2.0, FAULT_STEP_DELAY_S=0.05),
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         # Step 6 trained while step 4's checkpoint still has no manifest: the save runs in the background.
@@ -89,7 +92,7 @@ def test_sigterm_while_a_save_is_in_flight_exits_zero_with_that_save_and_the_fin
     # keep_last 5: the stop lands a step or two after the signal, and an interval save may come first.
     args = job_args(tmp_path, pretrain_data, "--save_interval", "2", "--epochs", "1", "--keep_last", "5")
     job = subprocess.Popen(launch_command("train_pretrain.py", None, [*TINY_MODEL, *args]), cwd=tmp_path,
-                           env=fault_env(FAULT_SAVE_DELAY_S=3.0, FAULT_STEP_DELAY_S=0.05),
+                           env=fault_env(FAULT_SAVE_DELAY_S=1.5, FAULT_STEP_DELAY_S=0.05),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wait_until(lambda: files.history_dir.is_dir() and any(files.history_dir.glob("step_00000002.pth*")), job)
     assert not manifest_path(files.history_file(2)).exists()  # the save of step 2 is in flight
@@ -103,11 +106,16 @@ def test_sigterm_while_a_save_is_in_flight_exits_zero_with_that_save_and_the_fin
 
 
 def test_background_and_synchronous_saves_write_the_same_state(tmp_path, pretrain_data):
-    states = {}
-    for mode in ("0", "1"):
+    jobs, states = {}, {}
+    for mode in ("0", "1"):  # two independent runs, side by side
+        args = job_args(tmp_path / f"async_{mode}", pretrain_data, "--save_interval", "3", "--max_steps", "7",
+                        "--async_save", mode)
+        jobs[mode] = subprocess.Popen(launch_command("train_pretrain.py", 2, [*TINY_MODEL, *args]), cwd=tmp_path,
+                                      env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for mode, job in jobs.items():
+        stdout, stderr = job.communicate(timeout=300)
+        assert_exit_code(subprocess.CompletedProcess(job.args, job.returncode, stdout, stderr))
         run_dir = tmp_path / f"async_{mode}"
-        args = job_args(run_dir, pretrain_data, "--save_interval", "3", "--max_steps", "7", "--async_save", mode)
-        train("train_pretrain.py", 2, args, tmp_path)
         states[mode] = torch.load(history(run_dir).resume_link, map_location="cpu", weights_only=True)
         states[mode]["fp16"] = torch.load(run_dir / "out" / "pretrain_32.pth", map_location="cpu", weights_only=True)
     sync, background = states["0"], states["1"]

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 
 import pytest
 
-from conftest import assert_states_equal, events_of, resume_file, run_args, trace_of, train
+from conftest import (TINY_MODEL, assert_exit_code, assert_states_equal, child_env, events_of, launch_command,
+                      resume_file, run_args, trace_of, train)
 
 INDUCTOR = pytest.param("inductor", marks=[
     pytest.mark.skipif(os.environ.get("TRAINER_SLOW_TESTS") != "1",
@@ -29,8 +31,13 @@ def test_compiled_run_rolls_back_saves_in_the_background_and_resumes_bit_identic
     common = ["--batch_size", "2", "--epochs", "1", "--use_compile", "1", "--compile_backend", backend,
               "--on_anomaly", "rollback", "--save_interval", "2", "--async_save", "1", "--debug_inject", "nan:6"]
     straight, split = tmp_path / "straight", tmp_path / "split"
+    # The straight run and the split run's first part are independent: side by side on two cores.
+    first_part_args = [*TINY_MODEL, *run_args(split, pretrain_data, *common, "--max_steps", "3")]
+    first_part = subprocess.Popen(launch_command("train_pretrain.py", None, first_part_args), cwd=tmp_path,
+                                  env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     train("train_pretrain.py", None, run_args(straight, pretrain_data, *common, "--max_steps", "10"), tmp_path)
-    train("train_pretrain.py", None, run_args(split, pretrain_data, *common, "--max_steps", "3"), tmp_path)
+    stdout, stderr = first_part.communicate(timeout=300)
+    assert_exit_code(subprocess.CompletedProcess(first_part.args, first_part.returncode, stdout, stderr))
     train("train_pretrain.py", None, run_args(split, pretrain_data, *common, "--max_steps", "7", "--from_resume", "1"),
           tmp_path)
 

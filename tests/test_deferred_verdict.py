@@ -10,11 +10,13 @@ give the same trace, the same events and the same final weights, bit for bit.
 from __future__ import annotations
 
 import math
+import subprocess
 
 import pytest
 import torch
 
-from conftest import assert_states_equal, events_of, resume_file, run_args, status_of, trace_of, train
+from conftest import (TINY_MODEL, assert_states_equal, child_env, events_of, launch_command, resume_file, run_args,
+                      status_of, trace_of)
 from trainer.hardening.anomaly import AnomalyGuard
 from trainer.hardening.step_numbers import StepNumbers, step_unless_refused
 
@@ -32,18 +34,23 @@ def comparable(records: list[dict]) -> list[dict]:
 
 @pytest.mark.parametrize("policy", SCHEDULES)
 def test_deferred_verdict_gives_the_trace_and_weights_of_judging_before_the_step(tmp_path, pretrain_data, policy):
-    runs = {}
-    for timing in ("deferred", "before"):
+    jobs, runs = {}, {}
+    for timing in ("deferred", "before"):  # two independent one-process runs, side by side on two cores
         run_dir = tmp_path / timing
         # 14 of the 19 steps: every schedule has fired by then, and --max_steps meets the rollbacks.
         args = run_args(run_dir, pretrain_data, "--batch_size", "2", "--epochs", "1", "--max_steps", "14",
                         *SCHEDULES[policy], "--judge_before_step", "1" if timing == "before" else "0")
-        result = train("train_pretrain.py", None, args, tmp_path, check=False)
-        runs[timing] = (result.returncode, comparable(trace_of(run_dir)), events_of(run_dir),
+        jobs[timing] = subprocess.Popen(launch_command("train_pretrain.py", None, [*TINY_MODEL, *args]), cwd=tmp_path,
+                                        env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    outputs = {}
+    for timing, job in jobs.items():
+        outputs[timing] = job.communicate(timeout=300)[0].decode(errors="replace")[-3000:]
+        run_dir = tmp_path / timing
+        runs[timing] = (job.returncode, comparable(trace_of(run_dir)), events_of(run_dir),
                         resume_file(run_dir), status_of(run_dir))
     (code_d, trace_d, events_d, final_d, status_d), (code_b, trace_b, events_b, final_b, status_b) = (
         runs["deferred"], runs["before"])
-    assert (code_d, code_b) == ((3, 3) if policy == "stop" else (0, 0))
+    assert (code_d, code_b) == ((3, 3) if policy == "stop" else (0, 0)), outputs
     assert events_d == events_b, events_d
     assert [kind for kind, _ in events_d] == {"warn": ["anomaly", "anomaly"], "stop": ["anomaly"],
                                               "rollback": ["anomaly", "rollback", "anomaly", "rollback"]}[policy]

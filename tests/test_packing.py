@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (REPO, assert_states_equal, child_env, events_of, free_port, history_file, resume_file,
-                      run_args, trace_of, train)
+from conftest import (REPO, TINY_MODEL, assert_exit_code, assert_states_equal, child_env, events_of, free_port,
+                      history_file, launch_command, resume_file, run_args, trace_of, train)
 from dataset.jsonl_file import DataFileError
 from dataset.lm_dataset import IGNORE_INDEX, PackedPretrainDataset
 from model.tokenizer import BOS_ID, EOS_ID, load_tokenizer, text_only_copy
@@ -24,6 +24,17 @@ SEQ = 48  # TINY_MODEL's --max_seq_len
 @pytest.fixture(scope="module")
 def tokenizer():
     return load_tokenizer(REPO / "model" / "tokenizer.json")
+
+
+def start(nproc: int | None, args: list[str], cwd: Path) -> subprocess.Popen:
+    """A training invocation of TINY_MODEL, as conftest's train() runs it, started without waiting for it."""
+    return subprocess.Popen(launch_command("train_pretrain.py", nproc, [*TINY_MODEL, *args]), cwd=cwd, env=child_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(job: subprocess.Popen) -> subprocess.CompletedProcess:
+    stdout, stderr = job.communicate(timeout=300)
+    return subprocess.CompletedProcess(job.args, job.returncode, stdout, stderr)
 
 
 def naive_stream(path: Path, tokenizer) -> list[int]:
@@ -114,8 +125,10 @@ def test_a_file_too_short_for_one_window_is_a_one_line_error(tmp_path, tokenizer
 def test_packed_resume_on_same_world_size_is_bit_identical(tmp_path, pretrain_data):
     common = ["--pack", "1", "--batch_size", "2", "--accumulation_steps", "2", "--epochs", "1"]
     straight, split = tmp_path / "straight", tmp_path / "split"
+    # The straight run and the split run's first part are independent: side by side.
+    first_part = start(2, run_args(split, pretrain_data, *common, "--max_steps", "2"), tmp_path)
     train("train_pretrain.py", 2, run_args(straight, pretrain_data, *common, "--max_steps", "5"), tmp_path)
-    train("train_pretrain.py", 2, run_args(split, pretrain_data, *common, "--max_steps", "2"), tmp_path)
+    assert_exit_code(finish(first_part))
     train("train_pretrain.py", 2, run_args(split, pretrain_data, *common, "--max_steps", "3", "--from_resume", "1"),
           tmp_path)
 

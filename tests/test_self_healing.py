@@ -123,7 +123,8 @@ def kill_a_dataloader_worker_of_rank_1(launchers: list[subprocess.Popen], run_di
 
 CASES = {  # rendezvous, what dies, extra flags, slowdown (step delay, save delay)
     "standalone-rank1-training": ("standalone", kill_rank_1_mid_training, [], (0.1, 0.0)),
-    "static-rank0-saving": ("static", kill_rank_0_mid_save, [], (0.1, 0.4)),
+    # --log_interval 1000: the slowed writes would slow each step's status file too.
+    "static-rank0-saving": ("static", kill_rank_0_mid_save, ["--log_interval", "1000"], (0.1, 0.4)),
     "static-dataloader-worker": ("static", kill_a_dataloader_worker_of_rank_1, ["--num_workers", "1"], (0.1, 0.0)),
     "c10d-2-nodes-rank1-training": ("c10d-2-nodes", kill_rank_1_mid_training, [], (0.1, 0.0)),
 }
