@@ -20,7 +20,8 @@ import pytest
 import torch
 
 import eval_model
-from conftest import REPO, TINY_MODEL, child_env, read_trace, run_args, slice_jsonl, train
+from conftest import (REPO, TINY_MODEL, assert_exit_code, child_env, launch_command, read_trace, run_args, slice_jsonl,
+                      train)
 from model.tokenizer import load_tokenizer
 from benchmarks import bench
 from scripts import compare_runs, inspect_checkpoint
@@ -36,13 +37,15 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     """Two identical runs, A and B: 3 optimizer steps of 4 samples on 40 demo lines."""
     root = tmp_path_factory.mktemp("runs")
     data = slice_jsonl(REPO / "dataset" / "pretrain_demo.jsonl", root / "pretrain.jsonl", NUM_SAMPLES)
-    made = {"root": root, "data": data}
-    for name in ("a", "b"):
-        run_dir = root / name
-        train("train_pretrain.py", None,
-              run_args(run_dir, data, "--batch_size", str(BATCH), "--max_steps", str(STEPS), "--save_interval", "2"),
-              cwd=root)
-        made[name] = run_dir
+    made = {"root": root, "data": data, "a": root / "a", "b": root / "b"}
+    jobs = []
+    for name in ("a", "b"):  # two independent one-process runs, side by side on two cores
+        args = run_args(made[name], data, "--batch_size", str(BATCH), "--max_steps", str(STEPS), "--save_interval", "2")
+        jobs.append(subprocess.Popen(launch_command("train_pretrain.py", None, [*TINY_MODEL, *args]), cwd=root,
+                                     env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for job in jobs:
+        stdout, stderr = job.communicate(timeout=300)
+        assert_exit_code(subprocess.CompletedProcess(job.args, job.returncode, stdout, stderr))
     return made
 
 

@@ -20,10 +20,12 @@ from trainer.hardening.checkpoint_io import RunFiles, manifest_path, verify
 def test_kill_9_during_a_save_leaves_the_previous_checkpoint_in_charge(tmp_path, pretrain_data):
     files = RunFiles(tmp_path / "ckpt", PRETRAIN_RUN)
     in_flight = files.history_file(4)
-    args = run_args(tmp_path, pretrain_data, "--batch_size", "2", "--epochs", "1", "--save_interval", "2")
-    # Each save is slowed from outside (tests/fault_injection): 1 s before the bytes, 1 s before the manifest.
+    # --log_interval 1000: the slowed writes would slow each step's status file too.
+    args = run_args(tmp_path, pretrain_data, "--batch_size", "2", "--epochs", "1", "--save_interval", "2",
+                    "--log_interval", "1000")
+    # Each save is slowed from outside (tests/fault_injection): 0.5 s before the bytes, 0.5 s before the manifest.
     job = subprocess.Popen(launch_command("train_pretrain.py", 2, [*TINY_MODEL, *args]), cwd=tmp_path,
-                           env=slowed_env(step_delay_s=0.05, save_delay_s=4.0), stdout=subprocess.DEVNULL,
+                           env=slowed_env(step_delay_s=0.05, save_delay_s=2.0), stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.time() + 120
