@@ -20,8 +20,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import (PRETRAIN_RUN, REPO, Lines, assert_each_sample_once, assert_states_equal, child_env, events_of,
-                      free_port, metrics_of, resume_file, run_args, slice_jsonl, trace_of, train)
+from conftest import (FAULT_INJECTION_DIR, PRETRAIN_RUN, REPO, Lines, assert_each_sample_once, assert_states_equal,
+                      child_env, events_of, free_port, metrics_of, resume_file, run_args, slice_jsonl, trace_of, train)
 from scripts import consolidate_checkpoint
 from trainer.hardening import checkpoint_io as cio
 from trainer.hardening.checkpoint_io import CheckpointError, RunFiles
@@ -224,6 +224,56 @@ def test_a_damaged_shard_or_a_missing_manifest_falls_back_to_the_older_checkpoin
     assert (files.failed_dir / "step_00000006.dcp").is_dir()  # moved aside with its manifest, not deleted
     assert not (history(run_copy) / "step_00000004.dcp").exists()  # never a checkpoint: its space given back
     assert (run_copy / "ckpt" / f"{PRETRAIN_RUN}_latest.txt").read_text().strip().endswith("step_00000002.dcp")
+
+
+def forge_manifest(folder: Path) -> None:
+    """Rewrite the manifest of a sharded checkpoint to match its files as they are now: integrity passes."""
+    manifest_file = cio.manifest_path(folder)
+    manifest = json.loads(manifest_file.read_text())
+    manifest["files"] = {name: {"size": (folder / name).stat().st_size, "sha256": cio.sha256_of(folder / name)}
+                         for name in manifest["files"]}
+    manifest_file.write_text(json.dumps(manifest))
+
+
+def test_a_damaged_shard_under_a_forged_manifest_is_set_aside_and_the_run_resumes_from_the_older_one(run_copy):
+    newest = history(run_copy) / "step_00000006.dcp"
+    shard = newest / "__1_0.distcp"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:len(data) // 2] + bytes(len(data) - len(data) // 2))  # the second half zeroed
+    forge_manifest(newest)
+    assert cio.verify(newest) is None  # the manifest check cannot see it: loading does
+
+    resumed = train("train_pretrain.py", 2, run_args(run_copy, run_copy / "pretrain.jsonl", "--batch_size", "2",
+                                                     *FSDP, "--from_resume", "1", "--max_steps", "1"), run_copy)
+    skipped = [line for line in resumed.stdout.splitlines() if line.startswith("skipping checkpoint")]
+    assert len(skipped) == 1 and f"{newest} cannot be loaded: a shard is damaged or unreadable (" in skipped[0]
+    assert f"moved it to {RunFiles(run_copy / 'ckpt', PRETRAIN_RUN).failed_dir / newest.name}" in skipped[0]
+    assert f"using older checkpoint {history(run_copy) / 'step_00000004.dcp'} instead" in resumed.stdout
+    assert events_of(run_copy)[-1] == ("resume", 4)
+    newest_now = RunFiles(run_copy / "ckpt", PRETRAIN_RUN).history()[0]
+    assert newest_now.name == "step_00000005.dcp" and cio.verify(newest_now) is None
+
+
+@pytest.mark.parametrize("async_save", ["1", "0"], ids=["background_save", "synchronous_save"])
+def test_a_full_disk_during_a_sharded_save_is_one_line_on_every_rank_and_the_previous_checkpoint_stays(
+        tmp_path, pretrain_data, async_save):
+    files = RunFiles(tmp_path / "ckpt", PRETRAIN_RUN)
+    args = run_args(tmp_path, pretrain_data, "--batch_size", "2", *FSDP, "--save_interval", "2", "--max_steps", "6",
+                    "--async_save", async_save)
+    # tests/fault_injection: rank 1's writes of step 4's .distcp files fail with ENOSPC, as on a full disk.
+    result = train("train_pretrain.py", 2, args, tmp_path, check=False, PYTHONPATH=FAULT_INJECTION_DIR,
+                   FAULT_DISK_FULL_AT_STEP=4, FAULT_DISK_FULL_RANK=1)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1 and "(exitcode: 2)" in result.stderr, output[-4000:]  # torchrun's 1; the ranks' 2
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, output[-4000:]
+    assert errors[0].startswith(f"error: could not write sharded checkpoint {files.history_dir / 'step_00000004.dcp'}"
+                                f": rank 1: OSError: [Errno 28] No space left on device (injected). Older "
+                                f"checkpoints in {files.history_dir} are untouched"), errors[0]
+    assert output.count("No space left on device") == 1  # that line only: no rank's traceback says it again
+    assert [p.name for p in files.history()] == ["step_00000002.dcp"]  # the half-written step 4 is gone
+    assert cio.verify(files.history()[0]) is None
+    assert files.latest_pointer.read_text().strip() == f"{files.history_dir.name}/step_00000002.dcp"
 
 
 class RunsCode:

@@ -7,7 +7,9 @@ PYTHONPATH, and Python imports `sitecustomize` at start-up. With the variables u
     FAULT_SAVE_DELAY_S  sleep at each stage of a checkpoint save: before the bytes of a file are
                         written (a kill leaves an empty temp file), before a manifest or pointer is
                         written (a history file without manifest), before the written file is checked (no link yet)
-    FAULT_DISK_FULL_AT_STEP  writing the history file of that step fails with ENOSPC, as on a full disk
+    FAULT_DISK_FULL_AT_STEP  writing the history file of that step fails with ENOSPC, as on a full disk: the
+                        `.pth`, or DCP's `.distcp` files in a sharded save's `.dcp` folder
+    FAULT_DISK_FULL_RANK     with the above, only this rank's writes fail (a sharded save: one node's disk)
 
 The patches are applied when the trainer's modules are imported (the scripts make the repository
 importable only after start-up), through an import hook that runs the module, then wraps its functions.
@@ -24,6 +26,7 @@ import time
 STEP_DELAY = float(os.environ.get("FAULT_STEP_DELAY_S", "0") or 0)
 SAVE_DELAY = float(os.environ.get("FAULT_SAVE_DELAY_S", "0") or 0)
 DISK_FULL_AT_STEP = os.environ.get("FAULT_DISK_FULL_AT_STEP")
+DISK_FULL_RANK = os.environ.get("FAULT_DISK_FULL_RANK")
 
 
 def sleep_before(function, seconds: float):
@@ -49,6 +52,8 @@ def patch_step_numbers(module) -> None:
 
 STAGE = SAVE_DELAY / 4
 FULL_DISK_NAME = f"step_{int(DISK_FULL_AT_STEP):08d}.pth" if DISK_FULL_AT_STEP else None
+FULL_DISK_FOLDER = f"step_{int(DISK_FULL_AT_STEP):08d}.dcp" if DISK_FULL_AT_STEP else None
+DISK_IS_FULL_HERE = DISK_FULL_RANK in (None, os.environ.get("RANK", "0"))
 
 
 def disk_full(file):
@@ -62,7 +67,7 @@ def patch_durable_files(module) -> None:
 
     @functools.wraps(atomic_write)
     def slow_atomic_write(path, write):
-        if path.name == FULL_DISK_NAME:
+        if path.name == FULL_DISK_NAME and DISK_IS_FULL_HERE:
             write = disk_full
         return atomic_write(path, sleep_before(write, STAGE))  # the temp file is open and still empty
 
@@ -74,12 +79,27 @@ def patch_checkpoint_io(module) -> None:
     module.check_written = sleep_before(module.check_written, STAGE)
 
 
+def patch_dcp_files(module) -> None:
+    """DCP writes each tensor of a `.distcp` file with `_write_item(transforms, stream, ...)`."""
+    write_item = module._write_item
+
+    @functools.wraps(write_item)
+    def write_item_on_a_full_disk(transforms, stream, *args, **kwargs):
+        if os.path.basename(os.path.dirname(stream.name)) == FULL_DISK_FOLDER and DISK_IS_FULL_HERE:
+            disk_full(stream)
+        return write_item(transforms, stream, *args, **kwargs)
+
+    module._write_item = write_item_on_a_full_disk
+
+
 PATCHES = {}
 if STEP_DELAY > 0:
     PATCHES["trainer.hardening.step_numbers"] = patch_step_numbers
 if SAVE_DELAY > 0 or DISK_FULL_AT_STEP:
     PATCHES["trainer.hardening.durable_files"] = patch_durable_files
     PATCHES["trainer.hardening.checkpoint_io"] = patch_checkpoint_io
+if DISK_FULL_AT_STEP:
+    PATCHES["torch.distributed.checkpoint.filesystem"] = patch_dcp_files
 
 
 class PatchAfterImport(importlib.abc.MetaPathFinder):

@@ -248,6 +248,16 @@ def load_trusted(path: Path) -> dict:
     return load_file_trusted(path)
 
 
+def load_to_resume(path: Path) -> dict:
+    """load_trusted, and for a sharded checkpoint every tensor read once as well (read_every_tensor), so that
+    one with a damaged shard is set aside like a damaged file, and an older checkpoint resumes."""
+    state = load_trusted(path)
+    if path.is_dir():
+        from trainer.hardening.sharded_checkpoint import read_every_tensor  # here: see load_trusted
+        read_every_tensor(path)
+    return state
+
+
 def is_managed(files: RunFiles, path: Path) -> bool:
     """True if `path` is one of the run's history files that has a manifest (the resume link is one)."""
     return any(manifest_of(p).is_file() and os.path.samefile(p, path) for p in files.history())
@@ -283,7 +293,7 @@ def newest_good_checkpoint(files: RunFiles, log: Callable[[str], None]) -> tuple
         problem = verify(path)
         if problem is None:
             try:
-                state = load_trusted(path)
+                state = load_to_resume(path)
             except CheckpointError as error:
                 problem = str(error)
         if problem is None:
@@ -372,4 +382,4 @@ def _choose_checkpoint(files: RunFiles, resume_path: str | None, log) -> tuple[s
                 if f.exists():
                     os.replace(f, aside / f.name)
         log(f"resuming from {path}; moved the newer checkpoints {', '.join(newer)} to {aside}")
-    return str(path), load_trusted(path)
+    return str(path), load_to_resume(path)

@@ -35,6 +35,18 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written, or none could be trusted for loading."""
 
 
+def one_line(error: BaseException) -> str:
+    """An error in one line: `Type: the first line of its message`. For DCP's CheckpointException, whose message
+    is every failed rank's traceback, the error of the first rank that failed, named."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank = min(failures)
+        cause = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]  # (error, its stack)
+        return f"rank {rank}: {one_line(cause)}"
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
 def manifest_path(checkpoint: Path) -> Path:
     """Where the manifest of `checkpoint` is written: its full name plus `.json` (`step_00000300.pth.json`),
     so a step saved both as a file and as a sharded folder (`.dcp`) has two manifests, one each."""
@@ -164,8 +176,7 @@ def load_file_trusted(path: Path) -> dict:
         raise CheckpointError(f"{path} is refused: it holds objects other than tensors and plain types, "
                               f"and unpickling them could run code (weights_only=True)") from error
     except Exception as error:  # zip errors, EOF, bad magic: all mean "do not trust this file"
-        raise CheckpointError(f"{path} cannot be loaded safely: {type(error).__name__}: "
-                              f"{str(error).splitlines()[0] if str(error) else ''}") from error
+        raise CheckpointError(f"{path} cannot be loaded safely: {one_line(error)}") from error
     if not isinstance(state, dict):
         raise CheckpointError(f"{path} holds a {type(state).__name__}, not a checkpoint dict")
     return state

@@ -31,10 +31,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 
-from trainer.hardening.durable_files import CheckpointError, load_file_trusted, sha256_of
+from trainer.hardening.durable_files import CheckpointError, load_file_trusted, one_line, sha256_of
 
 TRAIN_STATE = "train_state.pth"
 
@@ -116,6 +116,32 @@ def load_train_state(directory: Path) -> dict:
     return state
 
 
+def read_every_tensor(directory: Path, batch_bytes: int = 1 << 28) -> None:
+    """Read every tensor of the checkpoint once, in this one process, about `batch_bytes` at a time, as the ranks
+    will when they load their slices. A `.distcp` damaged under a manifest that matches it (forged, or written
+    by a faulty disk or copy) raises CheckpointError here, while an older checkpoint can still be chosen; in
+    every rank's load it could only stop the run. The price is one more read of the files, as for a `.pth`."""
+    batch, size = {}, 0
+    for key, entry in read_metadata(directory).state_dict_metadata.items():
+        batch[key] = torch.empty(entry.size, dtype=entry.properties.dtype)  # DCP's flat key: "model.{name}"...
+        size += batch[key].nbytes
+        if size >= batch_bytes:
+            read_into(directory, batch)
+            batch, size = {}, 0
+    if batch:
+        read_into(directory, batch)
+
+
+def read_into(directory: Path, tensors: dict) -> None:
+    """dcp.load of `tensors` (full-size templates) from the checkpoint, here, without a process group; a file
+    that cannot be read is one CheckpointError naming the first thing wrong."""
+    try:
+        dcp.load(tensors, storage_reader=SafeReader(directory), no_dist=True)
+    except (Exception, CheckpointException) as error:  # DCP's CheckpointException is not an Exception
+        raise CheckpointError(f"{directory} cannot be loaded: a shard is damaged or unreadable "
+                              f"({one_line(error)})") from error
+
+
 def consolidate(directory: Path) -> dict:
     """A sharded checkpoint as one `_resume.pth` state, without a process group: full weights (the head
     tied to the embedding again) and the optimizer state keyed by parameter number, as optimizer.state_dict()."""
@@ -130,7 +156,7 @@ def consolidate(directory: Path) -> dict:
         else:  # "optimizer.{parameter name}.{exp_avg, exp_avg_sq or step}"
             name, field = rest.rsplit(".", 1)
             template["optimizer"].setdefault(name, {})[field] = empty
-    dcp.load(template, storage_reader=SafeReader(directory), no_dist=True)
+    read_into(directory, template)
     weights = template["model"]
     if state["lm_config"].get("tie_word_embeddings", True):  # saved once, as the embedding
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]  # one tensor, as in the model

@@ -20,7 +20,8 @@ The save protocol, kill -9-safe like checkpoint_io's: all ranks agree on the ste
 a folder left by a killed save of that step is removed, every rank writes and fsyncs its files (in the
 background with --async_save 1, through DCP's own CPU staging) and hashes them; the hashes are gathered and
 rank 0 writes the manifest last. A folder without a valid manifest is never loaded (checkpoint_io.verify),
-so a kill at any instant leaves the previous checkpoint as the newest.
+so a kill at any instant leaves the previous checkpoint as the newest. A write that fails on any rank (a
+full disk) is one CheckpointError line on every rank, and the half-written folder is removed.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from trainer.hardening.background_save import finish_saves
 from trainer.hardening.checkpoint_io import (RunFiles, cast_state_dict, move_aside, point_resume_at,
                                              remove_earlier_manifest, rotate, set_aside_unmanaged_resume_file)
 from trainer.hardening.durable_files import (CheckpointError, atomic_write, atomic_write_text, fsync_dir,
-                                             manifest_of, manifest_path, remember_hash, sha256_of)
+                                             manifest_of, manifest_path, one_line, remember_hash, sha256_of)
 from trainer.hardening.resume_checks import ConfigError
 
 # FSDP, DTensor and DCP take almost a second to import, in every process: a DDP run never imports them.
@@ -163,14 +164,16 @@ def _write_sharded(files: RunFiles, step: int, tensors: dict, train_state: dict,
     dist.barrier(group=group)
     writer = dcp.FileSystemWriter(directory, sync_files=True)  # fsync of every file; the folder's own below
     if background:  # DCP copies the tensors to CPU memory now and writes them from its own thread
-        written = dcp.async_save(tensors, storage_writer=writer, process_group=group)
-        wait = written.result
-    else:
-        dcp.save(tensors, storage_writer=writer, process_group=group)
-        wait = lambda: None  # noqa: E731
+        try:
+            write_slices = dcp.async_save(tensors, storage_writer=writer, process_group=group).result
+        except (Exception, dcp.CheckpointException) as error:  # the copy failed; DCP's error is not an Exception
+            raise CheckpointError(f"could not copy the sharded checkpoint of step {step} to CPU memory: "
+                                  f"{one_line(error)}; nothing was written") from error
+    else:  # written in _seal, where a failure (a full disk) is gathered and reported like any other
+        write_slices = lambda: dcp.save(tensors, storage_writer=writer, process_group=group)  # noqa: E731
     train_state_file = directory / sharded_checkpoint.TRAIN_STATE
-    run(lambda: _seal(files, directory, wait, train_state, train_state_file, weights, out_path, info, keep_last,
-                      group))
+    run(lambda: _seal(files, directory, write_slices, train_state, train_state_file, weights, out_path, info,
+                      keep_last, group))
     return directory
 
 
@@ -186,12 +189,14 @@ def _clear_for_save(files: RunFiles, directory: Path) -> None:
         shutil.rmtree(directory)
 
 
-def _seal(files: RunFiles, directory: Path, wait: Callable[[], object], train_state: dict, train_state_file: Path,
-          weights: dict | None, out_path: Path, info: dict, keep_last: int, group) -> None:
-    """Each rank: wait for its DCP files, hash them; rank 0 writes the rest, then the manifest, and rotates."""
+def _seal(files: RunFiles, directory: Path, write_slices: Callable[[], object], train_state: dict,
+          train_state_file: Path, weights: dict | None, out_path: Path, info: dict, keep_last: int, group) -> None:
+    """Each rank: write (or wait for) its DCP files, hash them; rank 0 writes the rest, then the manifest, and
+    rotates. If any rank failed, every rank raises the same one-line CheckpointError and the folder is removed."""
+    _, _, dcp, _ = _fsdp()
     rank, mine, problem = dist.get_rank(), {}, None
     try:
-        wait()  # this rank's .distcp files are written and fsynced; rank 0's .metadata too
+        write_slices()  # this rank's .distcp files are written and fsynced; rank 0's .metadata too
         names = [p.name for p in directory.glob(f"__{rank}_*.distcp")] + ([".metadata"] if rank == 0 else [])
         if rank == 0:
             atomic_write(train_state_file, lambda f: torch.save(train_state, f))
@@ -202,15 +207,18 @@ def _seal(files: RunFiles, directory: Path, wait: Callable[[], object], train_st
         fsync_dir(directory)  # the names of this rank's files are durable too
         mine = {name: {"size": (directory / name).stat().st_size, "sha256": sha256_of(directory / name)}
                 for name in names}
-    except Exception as error:  # every rank must reach the gather below, or the others would wait on it
-        problem = f"rank {rank}: {type(error).__name__}: {error}"
+    except (Exception, dcp.CheckpointException) as error:  # every rank must reach the gather below, or the
+        # others would wait on it. DCP's CheckpointException names the rank that failed; it reaches every rank.
+        problem = one_line(error) if isinstance(error, dcp.CheckpointException) else f"rank {rank}: {one_line(error)}"
     everyone = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, (mine, problem), group=group)
-    problems = [p for _, p in everyone if p]
+    problems = list(dict.fromkeys(p for _, p in everyone if p))  # DCP's failure: the same line from every rank
     if problems:
+        if rank == 0:  # a half-written folder: its space back (a full disk), and a save of this step finds none
+            shutil.rmtree(directory, ignore_errors=True)
         raise CheckpointError(f"could not write sharded checkpoint {directory}: {'; '.join(problems)}. Older "
-                              f"checkpoints in {files.history_dir} are untouched; fix the cause, then resume "
-                              f"with --from_resume 1")
+                              f"checkpoints in {files.history_dir} are untouched; free space or fix the cause, then "
+                              f"resume with --from_resume 1")
     if rank != 0:
         return
     try:
@@ -248,7 +256,11 @@ def restore(state: dict, model: torch.nn.Module, optimizer: torch.optim.Optimize
         return
     if "sharded_dir" in state:  # each rank reads the blocks of the files that overlap its own slices
         tensors = _sharded_tensors(model, optimizer)
-        dcp.load(tensors, storage_reader=sharded_checkpoint.SafeReader(state["sharded_dir"]))
+        try:  # seldom fails: rank 0 read every tensor when it chose this checkpoint (checkpoint_io.load_to_resume)
+            dcp.load(tensors, storage_reader=sharded_checkpoint.SafeReader(state["sharded_dir"]))
+        except (Exception, dcp.CheckpointException) as error:  # DCP's error reaches every rank
+            raise CheckpointError(f"{state['sharded_dir']} could not be loaded ({one_line(error)}); resume from an "
+                                  f"older checkpoint with --resume_path") from error
         weights = tensors["model"]
         if model.lm_head.weight is model.model.embed_tokens.weight:  # the tied head is loaded with the embedding
             weights = {**weights, "lm_head.weight": weights["model.embed_tokens.weight"]}
