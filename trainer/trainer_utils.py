@@ -36,7 +36,7 @@ from trainer.hardening.background_save import BackgroundSaver
 from trainer.hardening.checkpoint_io import CheckpointError
 from trainer.hardening.elastic_store import attempt_store
 from trainer.hardening.resume_checks import ConfigError
-from trainer.hardening.run_lock import release_held
+from trainer.hardening.run_lock import LockLost, release_held
 from trainer.hardening.save_on_ranks import gather_rng_states, raise_on_every_rank, write_checkpoint
 from trainer.hardening.stopping import continue_command
 
@@ -50,12 +50,15 @@ EXPECTED_ERRORS = (FileNotFoundError, DataFileError, ConfigError, CheckpointErro
 
 
 def run_script(main: Callable[[], None]) -> None:
-    """Run `main`; an expected error exits 2 with one line, a stop on an anomaly exits 3."""
+    """Run `main`; an expected error exits 2 with one line, a stop on an anomaly exits 3, a run whose
+    directories another run took over (run_lock.LockLost) exits 4."""
     try:
         main()
         return
     except AnomalyStop as error:
         message, code = f"stopping on anomaly: {error}", 3
+    except LockLost as error:
+        message, code = f"stopping: {error}", 4
     except EXPECTED_ERRORS as error:
         message, code = f"error: {error}", 2
     # Here, outside the except blocks, the traceback (and the DDP model in main's frame) is gone.
@@ -65,7 +68,7 @@ def run_script(main: Callable[[], None]) -> None:
         sys.stdout.flush()
         release_held()  # os._exit skips atexit, where the directory lock is released otherwise
         os._exit(2)
-    cleanup_distributed(exit_code=code)  # an anomaly stop is agreed by all ranks: leave together
+    cleanup_distributed(exit_code=code)  # an anomaly stop, a lost lock: agreed by all ranks, who leave together
     sys.exit(code)
 
 

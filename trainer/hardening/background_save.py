@@ -8,7 +8,8 @@ a side stream from the point the loop marks with `state_ready()` (after each ste
 or a rollback's reload), in parallel with the next step's forward and backward, and the GPU makes the
 next optimizer step wait for it (an event, on the device) so no weight changes under the copy.
 At most one save is in flight: the next save and every exit path wait for it. A failed write is kept
-and re-raised by `wait()`; the loop checks `failed` at every step so all ranks stop together.
+and re-raised by `wait()`; the loop checks `failed` at every step so all ranks stop together. A run that
+lost its directory lock to another run (run_lock.py) fails the same way, with LockLost: it may save no more.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.hardening.checkpoint_io import CheckpointError
+from trainer.hardening.run_lock import LockLost, lock_lost, lost_on_another_rank
 
 
 class BackgroundSaver:
@@ -47,6 +49,9 @@ class BackgroundSaver:
 
     @property
     def failed(self) -> bool:
+        """A write failed, or this run lost its directory lock (no file read on most steps: run_lock.py)."""
+        if self.error is None:
+            self.error = lock_lost()
         return self.error is not None
 
     def submit(self, state: dict, write: Callable[[dict], None]) -> None:
@@ -69,7 +74,7 @@ class BackgroundSaver:
         if self.thread is not None:
             self.thread.join()
             self.thread = None
-        if self.error is not None and raise_error:
+        if raise_error and self.failed:
             raise self.error
 
     def __enter__(self) -> "BackgroundSaver":
@@ -128,18 +133,23 @@ class BackgroundSaver:
 
 def finish_saves(saver: BackgroundSaver) -> None:
     """Wait for the save in flight; if it failed on any rank, every rank raises (that rank with the writer's
-    error). Call it on every rank: rank 0 writes (every rank, for a sharded checkpoint), all learn the outcome."""
+    error; every rank LockLost if a rank lost the directory lock). Call it on every rank: rank 0 writes (every
+    rank, for a sharded checkpoint), all learn the outcome."""
     error = None
     try:
         saver.wait()
     except Exception as caught:  # re-raised below, after the other ranks know
         error = caught
-    failed = [error is not None]
+    outcome = [(error is not None, isinstance(error, LockLost))]  # (failed, lost the lock)
     if dist.is_initialized():
-        failed = [None] * dist.get_world_size()
-        dist.all_gather_object(failed, error is not None)
+        outcome = [None] * dist.get_world_size()
+        dist.all_gather_object(outcome, (error is not None, isinstance(error, LockLost)))
+    lost = [rank for rank, (_, lock_lost_there) in enumerate(outcome) if lock_lost_there]
+    if lost and not isinstance(error, LockLost):  # the directory is another run's: every rank stops alike (exit 4)
+        raise lost_on_another_rank(lost[0])
     if error is not None:
         raise error
-    if any(failed):
-        raise CheckpointError(f"rank {failed.index(True)} could not write the checkpoint (see its error); the "
+    failed = [rank for rank, (failed_there, _) in enumerate(outcome) if failed_there]
+    if failed:
+        raise CheckpointError(f"rank {failed[0]} could not write the checkpoint (see its error); the "
                               f"previous one is intact")

@@ -117,7 +117,8 @@ class DeferredVerdict:
         """Hand in `step` (its backward and clip are queued); get back the step before it, judged (None for
         the first), and `step`'s refusal for step_unless_refused (a 0/1 tensor on the device).
         Raises Rollback or AnomalyStop for a bad step before it, StopRequested if a rank was asked to stop
-        (then `step` is dropped, and `settle` hands back the step before it)."""
+        (then `step` is dropped, and `settle` hands back the step before it), the save's error if a rank's save
+        failed, LockLost if a rank found the directory lock lost (the saver's `failed` says both)."""
         numbers = StepNumbers(loss_sum, global_tokens, local_tokens, grad_norm, input_tokens=step.input_tokens,
                               stop=self.stop.signal is not None, save_failed=self.saver.failed, step=step.number)
         done = self._judge_pending(step.rng)
@@ -164,7 +165,7 @@ class DeferredVerdict:
         self.pending = None
         values = numbers.read()  # waits only if the device is not there yet
         if values["save_failed"]:
-            finish_saves(self.saver)  # raises on every rank, the writing rank with the writer's error
+            finish_saves(self.saver)  # raises on every rank: the writer's error, or LockLost (run_lock.py)
         device_refused = None if self.before_step else values["refused"]  # the two rules must agree
         action, reason = preset or self._verdict(step, values, device_refused)
         if action == "stop":

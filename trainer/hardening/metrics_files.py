@@ -25,7 +25,8 @@ so a non-finite number (a NaN loss, an inf grad norm) is written as the string "
 null there instead: readers take null as "not a finite number" too.
 
 On resume the metrics file is cut back to the checkpoint's step: those steps are trained again, and
-two losses for one step would draw a zigzag.
+two losses for one step would draw a zigzag. A run that lost its directory lock to another run
+(trainer/hardening/run_lock.py) writes neither file again: they are the new holder's.
 """
 
 from __future__ import annotations
@@ -211,13 +212,22 @@ class MetricsFileWriter:
         from trainer.hardening.checkpoint_io import atomic_write_text  # see _write_status for why it is here
         kept = [r for r in read_metrics(self.metrics_file)
                 if r.get("step", 0) <= step or r.get("event") == "anomaly"]
-        atomic_write_text(self.metrics_file, "".join(json_text(r) + "\n" for r in kept))
+        if not self._lock_lost():
+            atomic_write_text(self.metrics_file, "".join(json_text(r) + "\n" for r in kept))
         return kept
 
     def _append(self, record: dict) -> None:
+        if self._lock_lost():
+            return
         # One write of a whole line, then flush: a reader sees whole lines (a cut last one is skipped).
         self.file.write(json_text(record) + "\n")
         self.file.flush()
+
+    @staticmethod
+    def _lock_lost() -> bool:
+        """True once another run holds this run's directories: every write is skipped from then on."""
+        from trainer.hardening.run_lock import lock_lost  # see _write_status for why it is imported here
+        return lock_lost() is not None
 
     def _update_status(self, **fields) -> None:
         with self.lock:
@@ -228,5 +238,7 @@ class MetricsFileWriter:
         """Call with self.lock held."""
         # Imported here so the readers above (watch and plot scripts) work on a machine without torch.
         from trainer.hardening.checkpoint_io import atomic_write_text
+        if self._lock_lost():  # e.g. the exit path's "failed": the file now tells of the new holder's run
+            return
         self.status["updated"] = time.time()
         atomic_write_text(self.status_file, json_text(self.status, indent=1) + "\n")

@@ -17,6 +17,15 @@ and the log says so, only when its holder is provably gone:
 A thread rewrites the heartbeat every HEARTBEAT_S seconds. Holding the lock, rank 0 clears temp files of
 killed writes and checks that nothing obstructs the checkpoint paths; then every rank checks that it sees the
 lock rank 0 wrote, i.e. that all nodes share the checkpoint directory. The lock is released at exit.
+
+A run can lose its lock: paused (SIGSTOP, a frozen node) until its heartbeat went stale, and its job requeued
+meanwhile took the directory over; or the file was removed by hand. From the moment it sees that (`lock_lost`),
+it writes nothing more there: the saver refuses (background_save.py), the metrics and status files and the
+trace are left alone, and every rank raises LockLost at the same step; the run exits 4 with one line naming the
+new holder. Seeing it costs no file read on most steps: a takeover needs the heartbeat STALE_AFTER_S old, so
+while the last heartbeat written (rank 0) or read (the other ranks, which watch the checkpoint directory's
+lock) is younger than half that, no one can have taken the lock (the other half allows for clocks of nodes
+that disagree). A save reads the lock file first, whatever its age.
 """
 
 from __future__ import annotations
@@ -107,8 +116,13 @@ def job_identity(run_id: str | None) -> str | None:
     return f"torchrun:{rdzv}" if rdzv and rdzv != "none" else None  # "none": torchrun's default, names nothing
 
 
+class LockLost(Exception):
+    """This run's directory lock now names another run, or is gone: the run writes nothing more there and exits
+    4 (trainer_utils.run_script), every rank at the same step."""
+
+
 class DirectoryLock:
-    """The lock of one directory, held by this process until `release`."""
+    """The lock of one directory, held by this process until `release` (or watched: see claim_run_directories)."""
 
     def __init__(self, directory: Path, job_id: str | None, log: Callable[[str], None]):
         self.path, self.log = Path(directory) / LOCK_NAME, log
@@ -116,6 +130,8 @@ class DirectoryLock:
                        "started": time.time(), "command": shlex.join(sys.argv), "job_id": job_id,
                        "heartbeat": time.time(), "token": secrets.token_hex(8)}
         self.held = False
+        self.fresh_until = 0.0  # no takeover is possible before this time (see the module docstring)
+        self.why_lost: str | None = None  # once the lock is seen lost: the line that says so
 
     def acquire(self) -> None:
         deadline = time.monotonic() + STALE_AFTER_S + 2 * HEARTBEAT_S  # the longest we wait for a stale beat
@@ -126,6 +142,7 @@ class DirectoryLock:
             # The record goes into a temp file first and is then linked to the lock's name: os.link fails if
             # the name exists (like O_EXCL), and a kill at any instant leaves no empty, unreadable lock.
             tmp = self.path.with_name(f"{LOCK_NAME}.partial-{self.record['host']}-{os.getpid()}.tmp")
+            self.record["heartbeat"] = time.time()  # not the time we began waiting: a fresh lock from the start
             with open(tmp, "w", encoding="utf-8") as f:
                 f.write(json.dumps(self.record) + "\n")
                 f.flush()
@@ -152,7 +169,7 @@ class DirectoryLock:
                 self._remove_if_unchanged(holder)
                 continue
             tmp.unlink()
-            self.held = True
+            self.held, self.fresh_until = True, self.record["heartbeat"] + STALE_AFTER_S / 2
             return
 
     def _why_gone(self, holder: dict) -> float | None:
@@ -186,16 +203,47 @@ class DirectoryLock:
         aside.unlink()
 
     def beat(self) -> None:
-        """Rewrite the heartbeat, unless another process took the lock (then say so, once)."""
-        holder = read_lock(self.path)
-        if holder is None or holder["token"] != self.record["token"]:
-            if self.held:
-                self.log(f"WARNING: {self.path} was taken over ({describe(holder) if holder else 'removed'}); "
-                         f"this run no longer owns {self.path.parent}")
-            self.held = False
+        """Rewrite the heartbeat while the lock is ours; once it is not, write nothing (`lost` says why)."""
+        if self.why_lost is not None or not self.held:
             return
-        self.record["heartbeat"] = time.time()
-        atomic_write_text(self.path, json.dumps(self.record) + "\n")
+        record = {**self.record, "heartbeat": time.time()}
+        if not self._still_ours():
+            return
+        # A file system has no compare-and-swap: a pause between that read and this rename could still write over
+        # a takeover. The new holder then finds its lock lost and stops, and one writer remains.
+        atomic_write_text(self.path, json.dumps(record) + "\n")
+        self.record, self.fresh_until = record, record["heartbeat"] + STALE_AFTER_S / 2
+
+    def lost(self, read: bool = False) -> str | None:
+        """None while the lock is this run's; else the line that says whose it is now. The file is read only
+        with `read`, or once the last heartbeat seen is old enough for a takeover to have happened since."""
+        if self.why_lost is None and (read or time.time() >= self.fresh_until):
+            try:
+                self._still_ours()
+            except OSError:  # unreadable for now (a network filesystem's hiccup) is no sign of a takeover
+                pass
+        return self.why_lost
+
+    def _still_ours(self) -> bool:
+        """Read the lock file: True if it still carries our token (then no takeover is possible until its
+        heartbeat ages); else remember that the lock is lost, and why, for good."""
+        directory = self.path.parent
+        try:
+            holder = read_lock(self.path)
+        except ConfigError as error:
+            self.why_lost = f"lost {directory}: {error}"
+        else:
+            if holder is not None and holder["token"] == self.record["token"]:
+                self.fresh_until = float(holder.get("heartbeat", 0)) + STALE_AFTER_S / 2
+                return True
+            self.why_lost = (
+                f"lost {directory}: {self.path} was removed while this run held it; this run wrote nothing more "
+                f"there. If no other trainer uses {directory}, continue with --from_resume 1" if holder is None else
+                f"lost {directory}: {self.path} now names another trainer ({describe(holder)}), which took the "
+                f"directory over after this run's heartbeat went stale (a paused process, a frozen node) or the "
+                f"lock was removed. This run wrote nothing more there")
+        self.held = False
+        return False
 
     def release(self) -> None:
         if self.held:
@@ -205,13 +253,31 @@ class DirectoryLock:
                 self.path.unlink()
 
 
-_held: list[DirectoryLock] = []
+_held: list[DirectoryLock] = []  # rank 0's locks: beaten by a thread, released at exit
+_watched: list[DirectoryLock] = []  # on the other ranks, rank 0's lock of the checkpoint directory: only read
 _stop_beating = threading.Event()
+
+
+def lock_lost(read: bool = False) -> LockLost | None:
+    """LockLost, saying whose the directory is now, if this run lost a lock it holds or watches; else None.
+    Cheap enough for every step: a lock file is read only with `read` (before a save) or as DirectoryLock.lost says."""
+    for lock in _held + _watched:
+        why = lock.lost(read)
+        if why is not None:
+            return LockLost(why)
+    return None
+
+
+def lost_on_another_rank(rank: int) -> LockLost:
+    """What a rank raises when rank `rank` lost the lock: its own reading if it sees that too (rank 0's names
+    the new holder), else a line naming that rank."""
+    return lock_lost(read=True) or LockLost(f"rank {rank} found this run's directory lock taken over or removed")
 
 
 def release_held() -> None:
     """Release this process's locks (at exit; also called before os._exit, which skips atexit)."""
     _stop_beating.set()
+    _watched.clear()
     while _held:
         _held.pop().release()
 
@@ -224,7 +290,7 @@ def _heartbeat_loop() -> None:
         for lock in list(_held):
             try:
                 lock.beat()
-            except (OSError, ConfigError) as error:  # a full disk, a garbled lock: say so, the next beat tries again
+            except OSError as error:  # a full disk: say so, the next beat tries again
                 lock.log(f"WARNING: could not write the heartbeat of {lock.path}: {error}")
 
 
@@ -319,6 +385,10 @@ def claim_run_directories(args, run_name: str, log: Callable[[str], None]) -> No
         if blind:
             raise ConfigError(f"{', '.join(blind)} cannot see the lock rank 0 wrote in {unique[0]}: every node "
                               f"must see the same checkpoint directory (a shared filesystem such as NFS)")
+    if rank != 0:  # rank 0 holds the lock; this rank watches it, so it too stops writing once it is lost
+        watched = DirectoryLock(unique[0], None, log)
+        watched.record, watched.fresh_until = seen, float(seen["heartbeat"]) + STALE_AFTER_S / 2
+        _watched.append(watched)
 
 
 def read_lock_or_none(path: Path) -> dict | None:

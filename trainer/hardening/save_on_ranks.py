@@ -1,9 +1,10 @@
 """Saving on every rank together: lm_checkpoint's save in three calls.
 
 `gather_rng_states`: every rank's RNG state, in rank order (a resume on the same world size restores
-each rank's own). `write_checkpoint`: the state handed to the saver, as one file through checkpoint_io,
-or, for a sharded (FSDP) model, every rank's slices. `raise_on_every_rank`: a rank that could not save
-makes every rank raise, so no rank waits in a collective for a peer that has left.
+each rank's own); and whether this run still owns its directories (run_lock.py). `write_checkpoint`: the
+state handed to the saver, as one file through checkpoint_io, or, for a sharded (FSDP) model, every rank's
+slices. `raise_on_every_rank`: a rank that could not save makes every rank raise, so no rank waits in a
+collective for a peer that has left.
 """
 
 from __future__ import annotations
@@ -15,18 +16,27 @@ import torch.distributed as dist
 from trainer.hardening import checkpoint_io, sharding
 from trainer.hardening.background_save import BackgroundSaver
 from trainer.hardening.checkpoint_io import CheckpointError, RunFiles
+from trainer.hardening.run_lock import LockLost, lock_lost, lost_on_another_rank
 
 
 def gather_rng_states(global_step: int, rng_state: dict) -> list[dict]:
-    """Every rank's RNG state, in rank order; every rank must be saving the same step."""
+    """Every rank's RNG state, in rank order. Every rank must be saving the same step, and this run must still
+    own its directories (each rank reads the lock file it holds or watches now): else every rank raises, and
+    nothing is written."""
+    lost = lock_lost(read=True)  # a takeover may be moments old: read, whatever the heartbeat's age
     if not dist.is_initialized():
+        if lost is not None:
+            raise lost
         return [rng_state]
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (global_step, rng_state))
-    if len({step_of_rank for step_of_rank, _ in gathered}) > 1:
-        raise CheckpointError(f"the ranks are saving different steps {[s for s, _ in gathered]}: a bug; "
+    dist.all_gather_object(gathered, (global_step, rng_state, lost is not None))
+    lost_on = [rank for rank, (_, _, lost_there) in enumerate(gathered) if lost_there]
+    if lost_on:
+        raise lost or lost_on_another_rank(lost_on[0])
+    if len({step_of_rank for step_of_rank, _, _ in gathered}) > 1:
+        raise CheckpointError(f"the ranks are saving different steps {[s for s, _, _ in gathered]}: a bug; "
                               f"nothing was written (rank {dist.get_rank()} is at {global_step})")
-    return [rng for _, rng in gathered]
+    return [rng for _, rng, _ in gathered]
 
 
 def write_checkpoint(files: RunFiles, state: dict, model, optimizer, out_path: Path, info: dict,
@@ -35,17 +45,27 @@ def write_checkpoint(files: RunFiles, state: dict, model, optimizer, out_path: P
     if sharding.is_sharded(model):  # every rank writes its slices, rank 0 the rest (sharding.py)
         return sharding.save_sharded(files, state, model, optimizer, out_path, saver.keep_last, info, saver,
                                      saver.gather_weights)
-    saver.submit(state, lambda copy: checkpoint_io.write_checkpoint_files(files, out_path, copy, saver.keep_last,
-                                                                         info))
+
+    def write_unless_lock_lost(copy: dict) -> None:  # in the writer's thread: the lock may be lost by now
+        lost = lock_lost(read=True)
+        if lost is not None:
+            raise lost
+        checkpoint_io.write_checkpoint_files(files, out_path, copy, saver.keep_last, info)
+
+    saver.submit(state, write_unless_lock_lost)
     return files.history_file(info["global_step"])
 
 
 def raise_on_every_rank(error: BaseException | None) -> None:
-    """Every rank stops together if a rank could not save."""
+    """Every rank stops together if a rank could not save (every rank with LockLost if a rank lost the lock)."""
     if dist.is_initialized():
-        failed = [None] * dist.get_world_size()
-        dist.all_gather_object(failed, error is not None)
-        if any(failed) and error is None:
-            raise CheckpointError(f"rank {failed.index(True)} could not save the checkpoint (see its error)")
+        outcome = [None] * dist.get_world_size()
+        dist.all_gather_object(outcome, (error is not None, isinstance(error, LockLost)))  # (failed, lost the lock)
+        lost = [rank for rank, (_, lock_lost_there) in enumerate(outcome) if lock_lost_there]
+        if lost and not isinstance(error, LockLost):  # the directory is another run's: every rank stops alike
+            raise lost_on_another_rank(lost[0])
+        failed = [rank for rank, (failed_there, _) in enumerate(outcome) if failed_there]
+        if failed and error is None:
+            raise CheckpointError(f"rank {failed[0]} could not save the checkpoint (see its error)")
     if error is not None:
         raise error

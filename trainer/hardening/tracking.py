@@ -29,7 +29,7 @@ import torch.distributed as dist
 from trainer.hardening.checkpoint_io import atomic_write_text
 from trainer.hardening.metrics_files import MetricsFileWriter
 from trainer.hardening.resume_checks import ConfigError
-from trainer.hardening.run_lock import HEARTBEAT_S, LOCK_NAME
+from trainer.hardening.run_lock import HEARTBEAT_S, LOCK_NAME, lock_lost
 
 # Dense bf16 peak of common GPUs (TFLOPS), for MFU = achieved / peak model FLOPs.
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "4090": 165.0, "A10": 125.0}
@@ -224,7 +224,7 @@ class Tracker:
 
     def step(self, record: dict, tokens: int) -> None:
         """After every optimizer step, on every rank: the trace line, and the tokens for tokens/s."""
-        if self.trace is not None:
+        if self.trace is not None and lock_lost() is None:  # once another run holds the directory, its trace too
             os.write(self.trace, (json.dumps(record) + "\n").encode("utf-8"))
         if self.is_main and self.steps_done == 0:  # the first sign of life a slow machine's user gets
             print(f"first step done after {time.perf_counter() - self.started:.1f} s (step {record['step']}; "
