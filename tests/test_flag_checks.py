@@ -1,0 +1,175 @@
+"""A bad flag is one line naming the flag, the value and what is allowed, and exit 2, before anything
+starts (trainer/hardening/flag_checks.py): not a ZeroDivisionError or an optimizer's traceback later, and
+not a run that trains silently wrong (a negative clip coefficient, zero tokens, an endless loop)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from conftest import run_args, train
+from trainer import train_full_sft, train_pretrain
+from trainer.hardening.resume_checks import ConfigError
+
+SCRIPTS = {"pretrain": train_pretrain, "sft": train_full_sft}
+
+
+@pytest.fixture
+def paths(tmp_path) -> dict[str, str]:
+    """A file, a directory, a missing path and a sharded checkpoint's folder to put into flags."""
+    (tmp_path / "file.jsonl").write_text('{"text": "hello"}\n', encoding="utf-8")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "step_00000004.dcp").mkdir()
+    return {"file": str(tmp_path / "file.jsonl"), "dir": str(tmp_path / "dir"), "missing": str(tmp_path / "missing"),
+            "dcp": str(tmp_path / "step_00000004.dcp")}
+
+
+def parse(monkeypatch, script: str, flags: list[str], paths: dict[str, str]):
+    """The script's own parse_args over `flags` ({file}, {dir}... filled in), on top of a valid data file."""
+    argv = ["--data_path", paths["file"], "--device", "cpu", *(flag.format(**paths) for flag in flags)]
+    monkeypatch.setattr(sys, "argv", [SCRIPTS[script].__file__, *argv])
+    return SCRIPTS[script].parse_args()
+
+
+# (script, flags, what the one line starts with)
+BAD_FLAGS = [
+    ("pretrain", ["--batch_size", "0"], "--batch_size 0: must be an integer >= 1"),
+    ("pretrain", ["--batch_size", "-4"], "--batch_size -4: must be an integer >= 1"),
+    ("pretrain", ["--accumulation_steps", "0"], "--accumulation_steps 0: must be an integer >= 1"),
+    ("pretrain", ["--global_batch_size", "0"], "--global_batch_size 0: must be an integer >= 1"),
+    ("pretrain", ["--epochs", "0"], "--epochs 0: must be an integer >= 1"),
+    ("pretrain", ["--save_interval", "0"], "--save_interval 0: must be an integer >= 1"),
+    ("pretrain", ["--log_interval", "0"], "--log_interval 0: must be an integer >= 1"),
+    ("pretrain", ["--eval_interval", "0"], "--eval_interval 0: must be an integer >= 1"),
+    ("pretrain", ["--max_steps", "0"], "--max_steps 0: must be an integer >= 1"),
+    ("pretrain", ["--learning_rate", "-1"], "--learning_rate -1.0: must be a finite number >= 0"),
+    ("pretrain", ["--learning_rate", "inf"], "--learning_rate inf: must be a finite number >= 0"),
+    ("pretrain", ["--learning_rate", "nan"], "--learning_rate nan: must be a finite number >= 0"),
+    ("pretrain", ["--warmup_ratio", "1"], "--warmup_ratio 1.0: must be in [0, 1)"),
+    ("pretrain", ["--warmup_ratio", "-0.1"], "--warmup_ratio -0.1: must be in [0, 1)"),
+    ("pretrain", ["--grad_clip", "-1"], "--grad_clip -1.0: must be a number > 0"),
+    ("pretrain", ["--grad_clip", "0"], "--grad_clip 0.0: must be a number > 0"),
+    ("pretrain", ["--max_seq_len", "1"], "--max_seq_len 1: must be an integer in [2, 32768]"),
+    ("pretrain", ["--max_seq_len", "40000"], "--max_seq_len 40000: must be an integer in [2, 32768]"),
+    ("pretrain", ["--num_workers", "-1"], "--num_workers -1: must be an integer >= 0"),
+    ("pretrain", ["--seed", "-1"], "--seed -1: must be an integer in [0, 2147483647]"),
+    ("pretrain", ["--seed", str(2**32)], f"--seed {2**32}: must be an integer in [0, 2147483647]"),
+    ("pretrain", ["--keep_last", "0"], "--keep_last 0: must be an integer >= 1"),
+    ("pretrain", ["--patience", "-1"], "--patience -1: must be an integer >= 0"),
+    ("pretrain", ["--max_rollbacks", "-1"], "--max_rollbacks -1: must be an integer >= 0"),
+    ("pretrain", ["--rollback_lr_factor", "0"], "--rollback_lr_factor 0.0: must be in (0, 1]"),
+    ("pretrain", ["--rollback_lr_factor", "2"], "--rollback_lr_factor 2.0: must be in (0, 1]"),
+    ("pretrain", ["--hidden_size", "0"], "--hidden_size 0: must be an integer >= 1"),
+    ("pretrain", ["--num_hidden_layers", "0"], "--num_hidden_layers 0: must be an integer >= 1"),
+    ("pretrain", ["--num_attention_heads", "0"], "--num_attention_heads 0: must be an integer >= 1"),
+    ("pretrain", ["--num_key_value_heads", "0"], "--num_key_value_heads 0: must be an integer >= 1"),
+    ("pretrain", ["--intermediate_size", "0"], "--intermediate_size 0: must be an integer >= 1"),
+    ("pretrain", ["--num_experts", "0"], "--num_experts 0: must be an integer >= 1"),
+    ("pretrain", ["--num_experts_per_tok", "0"], "--num_experts_per_tok 0: must be an integer >= 1"),
+    ("pretrain", ["--hidden_size", "30", "--num_attention_heads", "4"], "--hidden_size 30: must be a multiple of"),
+    ("pretrain", ["--hidden_size", "36", "--num_attention_heads", "4", "--num_key_value_heads", "2"],
+     "--hidden_size 36 / --num_attention_heads 4 = 9: a head's width must be even"),
+    ("pretrain", ["--num_attention_heads", "8", "--num_key_value_heads", "3"], "--num_key_value_heads 3: must divide"),
+    ("pretrain", ["--use_moe", "1", "--num_experts", "2", "--num_experts_per_tok", "3"],
+     "--num_experts_per_tok 3: must be at most --num_experts 2"),
+    ("pretrain", ["--data_path", "{dir}"], "--data_path {dir} is a directory"),
+    ("pretrain", ["--data_path", "{missing}"], "--data_path {missing} does not exist"),
+    ("pretrain", ["--val_data", "{dir}"], "--val_data {dir} is a directory"),
+    ("pretrain", ["--tokenizer_path", "{missing}"], "--tokenizer_path {missing} does not exist"),
+    ("pretrain", ["--resume_path", "{dir}"], "--resume_path {dir} is a directory"),
+    ("pretrain", ["--resume_path", "{missing}"], "--resume_path {missing} does not exist"),
+    ("pretrain", ["--save_dir", "{file}"], "--save_dir {file} is not a directory"),
+    ("pretrain", ["--checkpoint_dir", "{file}/ckpt"], "--checkpoint_dir {file}/ckpt cannot be made: {file} is not"),
+    ("pretrain", ["--metrics_dir", "{file}"], "--metrics_dir {file} is not a directory"),
+    ("pretrain", ["--save_debug_train_output", "{dir}"], "--save_debug_train_output {dir} is a directory"),
+    ("pretrain", ["--device", "gpu"], "--device gpu: must be cpu, cuda, cuda:N or mps"),
+    ("pretrain", ["--device", "meta"], "--device meta: must be cpu, cuda, cuda:N or mps"),
+    ("pretrain", ["--logger", "console,fiel"], "--logger console,fiel: fiel is none of"),
+    ("pretrain", ["--debug_inject", "nan:x"], "--debug_inject 'nan:x': expected nan:STEP or spike:STEP"),
+    ("sft", ["--system_prompt_ratio", "1.5"], "--system_prompt_ratio 1.5: must be in [0, 1]"),
+    ("sft", ["--drop_empty_think_ratio", "-0.2"], "--drop_empty_think_ratio -0.2: must be in [0, 1]"),
+    ("sft", ["--drop_empty_think_ratio", "nan"], "--drop_empty_think_ratio nan: must be in [0, 1]"),
+    ("sft", ["--batch_size", "0"], "--batch_size 0: must be an integer >= 1"),
+]
+
+
+@pytest.mark.parametrize("script, flags, message", BAD_FLAGS, ids=[" ".join(f) for _, f, _ in BAD_FLAGS])
+def test_each_bad_flag_is_one_line_naming_the_flag_its_value_and_what_is_allowed(monkeypatch, paths, script,
+                                                                                   flags, message):
+    with pytest.raises(ConfigError) as raised:
+        parse(monkeypatch, script, flags, paths)
+    assert str(raised.value).startswith(message.format(**paths)), str(raised.value)
+    assert "\n" not in str(raised.value)
+
+
+def test_a_cuda_device_this_machine_lacks_is_one_line(monkeypatch, paths):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ConfigError, match=r"^--device cuda: this machine has no CUDA device.*--device cpu$"):
+        parse(monkeypatch, "pretrain", ["--device", "cuda"], paths)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError, match=r"^--device cuda:2: cuda:2 does not exist, this machine has 2 GPUs"):
+        parse(monkeypatch, "pretrain", ["--device", "cuda:2"], paths)
+    monkeypatch.setenv("RANK", "2")  # under torchrun, rank LOCAL_RANK takes cuda:LOCAL_RANK whatever the flag says
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(ConfigError, match=r"start at most 2 per node"):
+        parse(monkeypatch, "pretrain", ["--device", "cuda"], paths)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_the_values_the_readme_and_tests_use_pass(monkeypatch, paths, script):
+    """Edges that are allowed on purpose: LR 0 (a run that keeps its weights), no warmup, clipping off (inf),
+    the shortest window, every count at 0 that means "none", a folder still to be made, a sharded checkpoint."""
+    flags = ["--learning_rate", "0", "--warmup_ratio", "0", "--grad_clip", "inf", "--max_seq_len", "2",
+             "--num_workers", "0", "--patience", "0", "--max_rollbacks", "0", "--rollback_lr_factor", "1",
+             "--seed", "0", "--global_batch_size", "12", "--batch_size", "1", "--max_steps", "1",
+             "--hidden_size", "32", "--num_attention_heads", "4", "--num_key_value_heads", "2",
+             "--use_moe", "1", "--num_experts", "4", "--num_experts_per_tok", "4",
+             "--save_dir", "{missing}/out", "--checkpoint_dir", "{dir}", "--resume_path", "{dcp}",
+             "--save_debug_train_output", "{missing}/trace.jsonl", "--logger", "console,file,wandb,swanlab",
+             "--debug_inject", "nan:3,spike:9"]
+    if script == "sft":
+        flags += ["--system_prompt_ratio", "0.2", "--drop_empty_think_ratio", "1"]
+    args = parse(monkeypatch, script, flags, paths)
+    assert (args.learning_rate, args.grad_clip, args.use_compile) == (0.0, float("inf"), 0)
+
+
+# ---- real processes: what a user sees -------------------------------------------------------------
+
+def expect_one_line(result, line_start: str) -> None:
+    """Exit 2, and stderr is exactly one line, starting with `line_start`."""
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith(f"error: {line_start}"), result.stderr
+
+
+@pytest.mark.parametrize("flags, line_start", [
+    (["--batch_size", "0"], "--batch_size 0: must be an integer >= 1"),  # was a ZeroDivisionError
+    (["--batch_size", "-4"], "--batch_size -4: must be an integer >= 1"),  # spun forever, deaf to SIGTERM
+    (["--learning_rate", "-1"], "--learning_rate -1.0: must be a finite number >= 0"),  # was AdamW's ValueError
+    (["--max_seq_len", "1"], "--max_seq_len 1: must be an integer in [2, "),  # trained on zero tokens and saved
+], ids=["batch_size_0", "batch_size_negative", "learning_rate_negative", "max_seq_len_1"])
+def test_a_bad_flag_stops_pretraining_at_once_with_one_line(tmp_path, pretrain_data, flags, line_start):
+    result = train("train_pretrain.py", None, run_args(tmp_path, pretrain_data, *flags), tmp_path, check=False,
+                   timeout=60)
+    expect_one_line(result, line_start)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "ckpt").exists()  # nothing started
+
+
+def test_a_data_path_naming_a_directory_stops_sft_with_one_line(tmp_path, sft_data):
+    result = train("train_full_sft.py", None, run_args(tmp_path, sft_data, "--data_path", str(tmp_path)), tmp_path,
+                   check=False, timeout=60)
+    expect_one_line(result, f"--data_path {tmp_path} is a directory: give a JSONL file")  # was IsADirectoryError
+
+
+def test_under_torchrun_each_rank_prints_the_line_once(tmp_path, pretrain_data):
+    result = train("train_pretrain.py", 2, run_args(tmp_path, pretrain_data, "--save_interval", "0"), tmp_path,
+                   check=False, timeout=120)
+    assert result.returncode != 0
+    ours = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert ours == ["error: --save_interval 0: must be an integer >= 1 (optimizer steps between checkpoints)"] * 2
+    # torchrun reports the failed ranks with a traceback of its own; none comes from the trainer's code
+    frames = ("flag_checks.py", "trainer_utils.py", 'train_pretrain.py", line')
+    assert not any(frame in result.stderr for frame in frames)
+    assert not (tmp_path / "out").exists()
