@@ -35,16 +35,17 @@ from trainer.hardening.background_save import BackgroundSaver, finish_saves
 from trainer.hardening.deferred_verdict import DeferredVerdict, Rollback, Step, StopRequested
 from trainer.hardening.flag_checks import check_flags
 from trainer.hardening.operator_flags import add_operator_flags
+from trainer.hardening.process_exit import cleanup_distributed, run_script
 from trainer.hardening.resume_checks import data_fingerprint, resume_settings
 from trainer.hardening.run_lock import claim_run_directories
 from trainer.hardening.sharding import no_sync, shard_model
 from trainer.hardening.step_numbers import step_unless_refused
+from trainer.hardening.stopping import end_of_run
 from trainer.hardening.tracking import Tracker, flops_per_token, validation_loss
 from trainer.trainer_utils import (REPO_ROOT, IndexedDataset, Position, RunSpec, SkipBatchSampler, capture_rng_state,
-                                   cleanup_distributed, end_of_run, epoch_order, get_lr, given_sizes, init_distributed,
-                                   init_model, lm_checkpoint, model_config, rank0_logger, resolve_accumulation,
-                                   restore_training_state, run_name, run_script, setup_seed, step_in_epoch,
-                                   sum_over_ranks, total_steps, trained_indices, unwrap)
+                                   epoch_order, get_lr, given_sizes, init_distributed, init_model, lm_checkpoint,
+                                   model_config, rank0_logger, resolve_accumulation, restore_training_state, run_name,
+                                   setup_seed, step_in_epoch, sum_over_ranks, total_steps, trained_indices, unwrap)
 
 
 def parse_args() -> argparse.Namespace:

@@ -1,6 +1,6 @@
 """The one helper module both training scripts call, as in minimind. Read it after the script.
 
-    1. running         REPO_ROOT, expected errors (one line, exit 2), distributed init/teardown, logger, seeds
+    1. running         REPO_ROOT, distributed init, logger, seeds (how a run exits: hardening/process_exit.py)
     2. schedule        get_lr (follows the position in the data), batch geometry
     3. data order      samples_consumed -> SkipBatchSampler: which samples each rank trains, in what order
     4. model           the model from flags or from --from_weight's file
@@ -12,11 +12,9 @@ The production hardening sits behind one call each in trainer/hardening/, which 
 
 from __future__ import annotations
 
-import gc
 import math
 import os
 import random
-import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -27,50 +25,17 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, Sampler
 
-from dataset.jsonl_file import DataFileError
 from model.hf import export_hf, load_project_weights
 from model.model import CausalLM, LMConfig
 from trainer.hardening import checkpoint_io, resume_checks, sharding
-from trainer.hardening.anomaly import AnomalyStop
 from trainer.hardening.background_save import BackgroundSaver
-from trainer.hardening.checkpoint_io import CheckpointError
 from trainer.hardening.elastic_store import attempt_store
 from trainer.hardening.resume_checks import ConfigError
-from trainer.hardening.run_lock import LockLost, release_held
 from trainer.hardening.save_on_ranks import gather_rng_states, raise_on_every_rank, write_checkpoint
-from trainer.hardening.stopping import continue_command
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # ---- 1. running -------------------------------------------------------------------------------
-
-# What a user can cause and fix (bad data, a missing file, flags or a checkpoint that do not fit):
-# one message and exit code 2, not a traceback. Anything else is a bug and keeps its traceback.
-EXPECTED_ERRORS = (FileNotFoundError, DataFileError, ConfigError, CheckpointError)
-
-
-def run_script(main: Callable[[], None]) -> None:
-    """Run `main`; an expected error exits 2 with one line, a stop on an anomaly exits 3, a run whose
-    directories another run took over (run_lock.LockLost) exits 4."""
-    try:
-        main()
-        return
-    except AnomalyStop as error:
-        message, code = f"stopping on anomaly: {error}", 3
-    except LockLost as error:
-        message, code = f"stopping: {error}", 4
-    except EXPECTED_ERRORS as error:
-        message, code = f"error: {error}", 2
-    # Here, outside the except blocks, the traceback (and the DDP model in main's frame) is gone.
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(message, file=sys.stdout if code == 3 else sys.stderr, flush=True)
-    if code == 2 and dist.is_initialized():  # other ranks may wait in a collective: leave at once
-        sys.stdout.flush()
-        release_held()  # os._exit skips atexit, where the directory lock is released otherwise
-        os._exit(2)
-    cleanup_distributed(exit_code=code)  # an anomaly stop, a lost lock: agreed by all ranks, who leave together
-    sys.exit(code)
-
 
 @dataclass
 class DistInfo:
@@ -101,38 +66,11 @@ def init_distributed(device_flag: str) -> DistInfo:
     return DistInfo(rank, local_rank, world_size, device)
 
 
-def cleanup_distributed(exit_code: int = 0) -> None:
-    """Tear the process group down; under torchrun, then end the process at once with `exit_code`.
-
-    The DDP wrapper must be collected first: its reducer holds gloo/nccl work that aborts the process
-    if destroyed after the group. And gloo's C++ threads can abort the interpreter at exit ("terminate
-    called without an active exception") after a good run; past the barrier nothing is left to clean.
-    """
-    gc.collect()
-    if not dist.is_initialized():
-        return
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    release_held()  # the directory lock; os._exit skips atexit
-    os._exit(exit_code)
-
-
 def sum_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` summed over every rank, in place (one process: as it is)."""
     if dist.is_initialized():
         dist.all_reduce(tensor)
     return tensor
-
-
-def end_of_run(at: "Position", args, stop_signal: str | None, world_size: int) -> str:
-    """The run's last log line: where it ended, and how to continue a run that stopped early."""
-    if at.epoch >= args.epochs:
-        return f"training finished at step {at.global_step}; weights in {args.save_dir}"
-    reason = stop_signal or f"--max_steps {args.max_steps} reached"
-    return (f"stopped at step {at.global_step} ({reason}); checkpoint saved. To continue: "
-            f"{continue_command(sys.argv, world_size)}")
 
 
 def rank0_logger(is_main: bool) -> Callable[[str], None]:
@@ -437,7 +375,8 @@ def lm_checkpoint(lm_config: LMConfig, weight: str = "full_sft", model=None, opt
         info = {"epoch": position.epoch, "global_step": position.global_step,
                 "samples_consumed": position.samples_consumed}  # for the manifest
         try:  # copy to CPU memory, then write (in the background if the saver does): checkpoint_io's protocol
-            kept = write_checkpoint(files, state, unwrap(model), optimizer, Path(save_dir) / f"{files.name}.pth", info, saver)
+            out_path = Path(save_dir) / f"{files.name}.pth"
+            kept = write_checkpoint(files, state, unwrap(model), optimizer, out_path, info, saver)
         except Exception as caught:  # re-raised below, after telling the other ranks to stop too
             error = caught
     raise_on_every_rank(error)

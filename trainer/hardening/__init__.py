@@ -16,6 +16,7 @@ training reads the same without knowing how it works inside:
     run_lock.py            one trainer per directory; stopping.py, SIGTERM and Ctrl-C
     resume_checks.py       a resume that changed the model, data or settings is refused
     operator_flags.py      the flags of all of the above; flag_checks.py, every flag's range and kind
+    process_exit.py        how a process ends: one line and exit 2, 3 or 4; the process group torn down
 
 Nothing here imports the scripts or trainer_utils.py, and imports between these modules form no circle:
 arrows point down only.

@@ -114,12 +114,17 @@ def save_verified(files: RunFiles, state: dict, step: int, keep_last: int, info:
         raise CheckpointError(
             f"could not write checkpoint {path}: {error}. Older checkpoints in {files.history_dir} "
             f"are untouched; free space or fix permissions, then resume with --from_resume 1") from error
-    try:
-        rotate(files, keep_last, path)
-    except OSError as error:
-        raise CheckpointError(f"checkpoint {path} is saved and verified, but older ones in {files.history_dir} "
-                              f"could not be deleted or moved aside: {error}") from error
+    rotate_after_save(files, keep_last, path)
     return path
+
+
+def rotate_after_save(files: RunFiles, keep_last: int, newest: Path) -> None:
+    """`rotate`, after `newest` was saved and linked: a failure is a CheckpointError that says so."""
+    try:
+        rotate(files, keep_last, newest)
+    except OSError as error:
+        raise CheckpointError(f"checkpoint {newest} is saved and verified, but older ones in {files.history_dir} "
+                              f"could not be deleted or moved aside: {error}") from error
 
 
 def check_written(path: Path, size: int) -> None:

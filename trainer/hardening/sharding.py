@@ -39,7 +39,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from trainer.hardening.background_save import finish_saves
 from trainer.hardening.checkpoint_io import (RunFiles, cast_state_dict, move_aside, point_resume_at,
-                                             remove_earlier_manifest, rotate, set_aside_unmanaged_resume_file)
+                                             remove_earlier_manifest, rotate_after_save,
+                                             set_aside_unmanaged_resume_file)
 from trainer.hardening.durable_files import (CheckpointError, atomic_write, atomic_write_text, fsync_dir,
                                              manifest_of, manifest_path, one_line, remember_hash, sha256_of)
 from trainer.hardening.resume_checks import ConfigError
@@ -238,11 +239,7 @@ def _seal(files: RunFiles, directory: Path, write_slices: Callable[[], object], 
         raise CheckpointError(f"could not write the manifest of {directory}: {error}. Older checkpoints in "
                               f"{files.history_dir} are untouched; free space or fix permissions, then resume "
                               f"with --from_resume 1") from error
-    try:
-        rotate(files, keep_last, directory)
-    except OSError as error:
-        raise CheckpointError(f"checkpoint {directory} is saved and verified, but older ones in "
-                              f"{files.history_dir} could not be deleted or moved aside: {error}") from error
+    rotate_after_save(files, keep_last, directory)
 
 
 def restore(state: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shlex
 import signal
+import sys
 import time
 
 
@@ -63,3 +64,12 @@ def continue_command(argv: list[str], world_size: int) -> str:
         nodes = ["--nnodes", str(world_size // per_node)] if world_size > per_node else []
         launcher = ["torchrun", *nodes, "--nproc_per_node", str(per_node)]
     return shlex.join(launcher + [argv[0]] + args)
+
+
+def end_of_run(at, args, stop_signal: str | None, world_size: int) -> str:
+    """The run's last log line: where it ended (`at`, a Position), and how to continue a run that stopped early."""
+    if at.epoch >= args.epochs:
+        return f"training finished at step {at.global_step}; weights in {args.save_dir}"
+    reason = stop_signal or f"--max_steps {args.max_steps} reached"
+    return (f"stopped at step {at.global_step} ({reason}); checkpoint saved. To continue: "
+            f"{continue_command(sys.argv, world_size)}")

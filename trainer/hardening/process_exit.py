@@ -1,0 +1,63 @@
+"""How a training process ends: an expected error is one line and exit 2, an anomaly stop exits 3, a
+run whose directories another run took over exits 4; under torchrun the process group is torn down
+first, and every rank leaves together. Anything else is a bug and keeps its traceback."""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+from typing import Callable
+
+import torch.distributed as dist
+
+from dataset.jsonl_file import DataFileError
+from trainer.hardening.anomaly import AnomalyStop
+from trainer.hardening.durable_files import CheckpointError
+from trainer.hardening.resume_checks import ConfigError
+from trainer.hardening.run_lock import LockLost, release_held
+
+# What a user can cause and fix (bad data, a missing file, flags or a checkpoint that do not fit):
+# one message and exit code 2, not a traceback. Anything else is a bug and keeps its traceback.
+EXPECTED_ERRORS = (FileNotFoundError, DataFileError, ConfigError, CheckpointError)
+
+
+def run_script(main: Callable[[], None]) -> None:
+    """Run `main`; an expected error exits 2 with one line, a stop on an anomaly exits 3, a run whose
+    directories another run took over (run_lock.LockLost) exits 4."""
+    try:
+        main()
+        return
+    except AnomalyStop as error:
+        message, code = f"stopping on anomaly: {error}", 3
+    except LockLost as error:
+        message, code = f"stopping: {error}", 4
+    except EXPECTED_ERRORS as error:
+        message, code = f"error: {error}", 2
+    # Here, outside the except blocks, the traceback (and the DDP model in main's frame) is gone.
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, file=sys.stdout if code == 3 else sys.stderr, flush=True)
+    if code == 2 and dist.is_initialized():  # other ranks may wait in a collective: leave at once
+        sys.stdout.flush()
+        release_held()  # os._exit skips atexit, where the directory lock is released otherwise
+        os._exit(2)
+    cleanup_distributed(exit_code=code)  # an anomaly stop, a lost lock: agreed by all ranks, who leave together
+    sys.exit(code)
+
+
+def cleanup_distributed(exit_code: int = 0) -> None:
+    """Tear the process group down; under torchrun, then end the process at once with `exit_code`.
+
+    The DDP wrapper must be collected first: its reducer holds gloo/nccl work that aborts the process
+    if destroyed after the group. And gloo's C++ threads can abort the interpreter at exit ("terminate
+    called without an active exception") after a good run; past the barrier nothing is left to clean.
+    """
+    gc.collect()
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    release_held()  # the directory lock; os._exit skips atexit
+    os._exit(exit_code)
