@@ -9,6 +9,7 @@ import re
 import signal
 import socket
 import subprocess
+import threading
 import time
 
 import pytest
@@ -146,3 +147,30 @@ def test_a_run_that_lost_its_lock_leaves_the_new_holders_lock_in_place(tmp_path)
     lock.beat()
     lock.release()
     assert run_lock.read_lock(lock.path) == newer
+
+
+def test_a_heartbeat_in_flight_when_the_run_releases_its_lock_does_not_write_the_lock_back(tmp_path, monkeypatch):
+    # Seen once under load: a run ended cleanly and its checkpoint directory kept its lock, rewritten by a beat
+    # that had read the file (still ours) just before the release removed it.
+    lock = run_lock.DirectoryLock(tmp_path, None, Lines())
+    lock.acquire()
+    beat_read_the_file, write_now = threading.Event(), threading.Event()
+    write = run_lock.atomic_write_text
+
+    def paused_write(path, text):
+        beat_read_the_file.set()
+        assert write_now.wait(30)
+        write(path, text)
+
+    monkeypatch.setattr(run_lock, "atomic_write_text", paused_write)
+    beat = threading.Thread(target=lock.beat)
+    beat.start()
+    assert beat_read_the_file.wait(30)
+    release = threading.Thread(target=lock.release)
+    release.start()
+    release.join(0.5)  # unguarded, the release removed the file here, and the beat below wrote it back
+    write_now.set()
+    beat.join(30)
+    release.join(30)
+    assert not beat.is_alive() and not release.is_alive()
+    assert not lock.path.exists()

@@ -132,6 +132,9 @@ class DirectoryLock:
         self.held = False
         self.fresh_until = 0.0  # no takeover is possible before this time (see the module docstring)
         self.why_lost: str | None = None  # once the lock is seen lost: the line that says so
+        # The heartbeat thread's read-then-write and `release` take turns: a beat that read the file just before
+        # the release removed it would otherwise write the lock back after the run ended.
+        self._beat_or_release = threading.Lock()
 
     def acquire(self) -> None:
         deadline = time.monotonic() + STALE_AFTER_S + 2 * HEARTBEAT_S  # the longest we wait for a stale beat
@@ -204,15 +207,16 @@ class DirectoryLock:
 
     def beat(self) -> None:
         """Rewrite the heartbeat while the lock is ours; once it is not, write nothing (`lost` says why)."""
-        if self.why_lost is not None or not self.held:
-            return
-        record = {**self.record, "heartbeat": time.time()}
-        if not self._still_ours():
-            return
-        # A file system has no compare-and-swap: a pause between that read and this rename could still write over
-        # a takeover. The new holder then finds its lock lost and stops, and one writer remains.
-        atomic_write_text(self.path, json.dumps(record) + "\n")
-        self.record, self.fresh_until = record, record["heartbeat"] + STALE_AFTER_S / 2
+        with self._beat_or_release:
+            if self.why_lost is not None or not self.held:
+                return
+            record = {**self.record, "heartbeat": time.time()}
+            if not self._still_ours():
+                return
+            # A file system has no compare-and-swap: a pause between that read and this rename could still write
+            # over a takeover. The new holder then finds its lock lost and stops, and one writer remains.
+            atomic_write_text(self.path, json.dumps(record) + "\n")
+            self.record, self.fresh_until = record, record["heartbeat"] + STALE_AFTER_S / 2
 
     def lost(self, read: bool = False) -> str | None:
         """None while the lock is this run's; else the line that says whose it is now. The file is read only
@@ -246,11 +250,12 @@ class DirectoryLock:
         return False
 
     def release(self) -> None:
-        if self.held:
-            self.held = False
-            holder = read_lock(self.path)
-            if holder is not None and holder["token"] == self.record["token"]:
-                self.path.unlink()
+        with self._beat_or_release:
+            if self.held:
+                self.held = False
+                holder = read_lock(self.path)
+                if holder is not None and holder["token"] == self.record["token"]:
+                    self.path.unlink()
 
 
 _held: list[DirectoryLock] = []  # rank 0's locks: beaten by a thread, released at exit
