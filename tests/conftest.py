@@ -32,7 +32,19 @@ TINY_MODEL = ["--hidden_size", "32", "--num_hidden_layers", "2", "--num_attentio
               "--num_key_value_heads", "2", "--max_seq_len", "48", "--num_workers", "0", "--device", "cpu"]
 
 
+def with_loader_workers(count: int) -> list[str]:
+    """TINY_MODEL whose batches come from `count` DataLoader worker processes, as by default (--num_workers 1):
+    the stop tests need them, as a signal to a process group reaches the workers too."""
+    at = TINY_MODEL.index("--num_workers")
+    return [*TINY_MODEL[:at + 1], str(count), *TINY_MODEL[at + 2:]]
+
+
 # ---- launching training processes -------------------------------------------------------------
+
+def child_pids(pid: int) -> list[int]:
+    """The processes `pid` started (under torchrun: its workers; under a worker: its DataLoader workers)."""
+    return [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
+
 
 def child_env(**extra) -> dict:
     """The environment of a training child: one thread per rank, trackers offline, nothing on PYTHONPATH

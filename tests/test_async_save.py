@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from conftest import (FAULT_INJECTION_DIR, TINY_MODEL, assert_exit_code, child_env, launch_command, read_trace, train,
-                      wait_until)
+                      wait_until, with_loader_workers)
 from benchmarks.soak_kill import kill_job
 from trainer.hardening.checkpoint_io import RunFiles, manifest_path, verify
 
@@ -91,7 +91,7 @@ def test_sigterm_while_a_save_is_in_flight_exits_zero_with_that_save_and_the_fin
     files = history(tmp_path)
     # keep_last 5: the stop lands a step or two after the signal, and an interval save may come first.
     args = job_args(tmp_path, pretrain_data, "--save_interval", "2", "--epochs", "1", "--keep_last", "5")
-    job = subprocess.Popen(launch_command("train_pretrain.py", None, [*TINY_MODEL, *args]), cwd=tmp_path,
+    job = subprocess.Popen(launch_command("train_pretrain.py", None, [*with_loader_workers(1), *args]), cwd=tmp_path,
                            env=fault_env(FAULT_SAVE_DELAY_S=1.5, FAULT_STEP_DELAY_S=0.05),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wait_until(lambda: files.history_dir.is_dir() and any(files.history_dir.glob("step_00000002.pth*")), job)

@@ -16,8 +16,9 @@ import time
 import pytest
 import torch
 
-from conftest import (TINY_MODEL, assert_each_sample_once, assert_states_equal, events_of, history_file,
-                      launch_command, read_trace, resume_file, run_args, slowed_env, status_of, trace_of, train)
+from conftest import (TINY_MODEL, assert_each_sample_once, assert_states_equal, child_pids, events_of, history_file,
+                      launch_command, read_trace, resume_file, run_args, slowed_env, status_of, trace_of, train,
+                      with_loader_workers)
 from model.model import CausalLM, LMConfig
 
 
@@ -157,16 +158,17 @@ def test_python_and_torchrun_one_rank_use_the_same_sample_order(tmp_path, pretra
 def test_sigterm_saves_exits_zero_and_resume_keeps_each_sample_once(tmp_path, pretrain_data):
     args = run_args(tmp_path, pretrain_data, "--batch_size", "1", "--epochs", "1")
     trace = tmp_path / "trace.jsonl"
-    launcher = subprocess.Popen(launch_command("train_pretrain.py", 2, [*TINY_MODEL, *args]), cwd=tmp_path,
+    launcher = subprocess.Popen(launch_command("train_pretrain.py", 2, [*with_loader_workers(1), *args]), cwd=tmp_path,
                                 env=slowed_env(step_delay_s=0.2), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 120
     while (not trace.exists() or len(read_trace(trace)) < 6) and time.time() < deadline:
         time.sleep(0.2)
-    workers = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True,
-                                                    text=True).stdout.split()]
+    workers = child_pids(launcher.pid)
     assert len(workers) == 2, "expected two worker processes under torchrun"
-    for pid in workers:  # a preempted cloud machine signals every training process
+    loaders = [pid for worker in workers for pid in child_pids(worker)]
+    assert len(loaders) == 2, "expected a DataLoader worker under each rank"
+    for pid in workers + loaders:  # a preempted cloud machine signals every training process
         os.kill(pid, signal.SIGTERM)
     output, _ = launcher.communicate(timeout=120)
     assert launcher.returncode == 0, output

@@ -18,53 +18,52 @@ import threading
 import time
 from pathlib import Path
 
-from conftest import (REPO, TINY_MODEL, child_env, free_port, read_trace, resume_file, run_args, slowed_env,
-                      status_of, wait_until)
+from conftest import (REPO, child_env, child_pids, free_port, read_trace, resume_file, run_args, slowed_env, status_of,
+                      wait_until, with_loader_workers)
 from scripts.run_files import read_status
 from trainer.hardening.checkpoint_io import RunFiles, verify
 
 
 def start_recorded_job(run_dir: Path, args: list[str], env: dict, *torchrun_flags: str) -> subprocess.Popen:
-    """A 2-rank torchrun job of TINY_MODEL whose workers record their output and exit status in run_dir."""
+    """A 2-rank torchrun job of TINY_MODEL, each rank with a DataLoader worker (the default --num_workers 1),
+    whose ranks record their output and exit status in run_dir."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                str(free_port()), *torchrun_flags, str(REPO / "tests" / "record_worker.py"), str(run_dir),
-               str(REPO / "trainer" / "train_pretrain.py"), *TINY_MODEL, *args]
+               str(REPO / "trainer" / "train_pretrain.py"), *with_loader_workers(1), *args]
     return subprocess.Popen(command, cwd=run_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
 
 
-def children(pid: int) -> list[int]:
-    return [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
-
-
-def test_sigint_to_torchrun_and_workers_twice_is_one_stop_whose_save_completes_on_every_rank(
+def test_sigterm_to_torchrun_and_workers_twice_is_one_stop_whose_save_completes_on_every_rank(
         tmp_path, pretrain_data):
-    # As Slurm's scancel or a container runtime does: SIGINT to torchrun and to every worker at once, so each
-    # worker gets it twice (torchrun forwards its own copy); then all of it again while the stop-save is written.
+    # As Slurm's scancel does: SIGTERM to torchrun and to every worker at once, so each worker gets it twice
+    # (torchrun sends its own copy to each worker's whole process group, the DataLoader worker included, which
+    # must outlive it); then all of it again while the stop-save is written.
     args = run_args(tmp_path, pretrain_data, "--batch_size", "1", "--epochs", "1", "--save_interval", "1000",
                     "--log_interval", "1000")  # the slowed writes would slow each step's status file too
     job = start_recorded_job(tmp_path, args, slowed_env(step_delay_s=0.2, save_delay_s=4.0))
     files = RunFiles(tmp_path / "ckpt", "pretrain_32")
     trace = tmp_path / "trace.jsonl"
     wait_until(lambda: trace.exists() and len(read_trace(trace)) >= 6, job)  # 3 steps on 2 ranks
-    workers = [pid for recorder in children(job.pid) for pid in children(recorder)]
+    workers = [pid for recorder in child_pids(job.pid) for pid in child_pids(recorder)]
     assert len(workers) == 2, "expected one worker under each of the two recorders"
+    assert all(len(child_pids(pid)) == 1 for pid in workers), "expected a DataLoader worker under each rank"
     for pid in [job.pid, *workers]:
-        os.kill(pid, signal.SIGINT)
+        os.kill(pid, signal.SIGTERM)
     first = time.time()
     wait_until(lambda: files.history_dir.is_dir() and any(files.history_dir.iterdir()), job)
     time.sleep(max(0.0, first + 1.5 - time.time()))  # later than StopRequest.SAME_REQUEST_WITHIN_S: a new request
     save_in_flight = not list(files.history_dir.glob("*.json"))  # its history file begun, no manifest yet
     for pid in [job.pid, *workers]:
-        os.kill(pid, signal.SIGINT)
+        os.kill(pid, signal.SIGTERM)
     output, _ = job.communicate(timeout=120)
 
     logs = [(tmp_path / f"rank{rank}.log").read_text() for rank in (0, 1)]
     assert [(tmp_path / f"rank{rank}.exit").read_text().strip() for rank in (0, 1)] == ["0", "0"], logs
-    assert not any("Traceback" in log for log in logs), logs
+    assert not any("Traceback" in log or "killed by signal" in log for log in logs), logs
     stopped_at = resume_file(tmp_path)["global_step"]
     assert stopped_at == max(record["step"] for record in read_trace(trace))  # the step the stop finished
-    assert f"stopped at step {stopped_at} (SIGINT); checkpoint saved" in logs[0]
+    assert f"stopped at step {stopped_at} (SIGTERM); checkpoint saved" in logs[0]
     # The second round reached the workers during the save, and rank 0 alone said what is under way.
     assert save_in_flight and logs[0].count("stop under way") == 1 and "stop under way" not in logs[1], logs
     assert verify(files.history_file(stopped_at)) is None and files.resume_link.samefile(files.history_file(stopped_at))
@@ -95,8 +94,7 @@ def test_torchrun_kills_a_stop_save_longer_than_its_shutdown_timeout_and_the_pre
 def test_ctrl_c_twice_in_a_terminal_stops_once_and_names_the_process_to_kill(tmp_path, pretrain_data):
     # A terminal's Ctrl-C reaches the whole foreground group: the trainer and its DataLoader worker, which
     # inherits the handler when it is forked and must stay silent.
-    model = [*TINY_MODEL[:-4], "--num_workers", "1", *TINY_MODEL[-2:]]
-    assert TINY_MODEL[-4] == "--num_workers"
+    model = with_loader_workers(1)
     args = run_args(tmp_path, pretrain_data, "--batch_size", "1", "--epochs", "1", "--log_interval", "1000")
     job = subprocess.Popen([sys.executable, str(REPO / "trainer" / "train_pretrain.py"), *model, *args], cwd=tmp_path,
                            env=slowed_env(step_delay_s=0.2, save_delay_s=3.0), stdout=subprocess.PIPE,

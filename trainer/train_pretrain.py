@@ -40,7 +40,7 @@ from trainer.hardening.resume_checks import data_fingerprint, resume_settings
 from trainer.hardening.run_lock import claim_run_directories
 from trainer.hardening.sharding import no_sync, shard_model
 from trainer.hardening.step_numbers import step_unless_refused
-from trainer.hardening.stopping import end_of_run
+from trainer.hardening.stopping import end_of_run, loader_worker_ignores_stops
 from trainer.hardening.tracking import Tracker, flops_per_token, validation_loss
 from trainer.trainer_utils import (REPO_ROOT, IndexedDataset, Position, RunSpec, SkipBatchSampler, capture_rng_state,
                                    epoch_order, get_lr, given_sizes, init_distributed, init_model, lm_checkpoint,
@@ -95,7 +95,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
                                args.batch_size, rank, world_size)
     # Its own generator: iter() draws a seed from the global RNG, which a resumed run would then not match.
     batches = iter(DataLoader(IndexedDataset(train_ds), batch_sampler=sampler, num_workers=args.num_workers,
-                              pin_memory=dist_info.device.type == "cuda",
+                              pin_memory=dist_info.device.type == "cuda", worker_init_fn=loader_worker_ignores_stops,
                               generator=torch.Generator().manual_seed(args.seed * 1_000_003 + at.epoch)))
     for s in range(sampler.num_steps()):
         rng = capture_rng_state()  # as it is after the previous step: a save of that step stores it

@@ -1,6 +1,7 @@
 """How a run stops on a signal: SIGTERM (a preemptible machine going away) and Ctrl-C only set a flag;
 the loop finishes the optimizer step it is in, saves, and exits 0 with `continue_command`'s line.
-Any later signal changes nothing (see `StopRequest`): the stop-save completes on every rank."""
+Any later signal changes nothing (see `StopRequest`): the stop-save completes on every rank, its DataLoader
+workers included (`loader_worker_ignores_stops`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import shlex
 import signal
 import sys
+import threading
 import time
 
 
@@ -48,6 +50,28 @@ class StopRequest:
         # same stream fails with "reentrant call"; one small write to a file descriptor is whole.
         os.write(2, f"stop under way ({name} again): the step in progress finishes, then the checkpoint is saved; "
                     f"more signals change nothing. To abort without saving: {abort}\n".encode())
+
+
+def loader_worker_ignores_stops(worker_id: int) -> None:
+    """The DataLoader's `worker_init_fn`: a stop belongs to the training process, and its loader workers must
+    outlive the signal until the stop-save is written. The signal reaches them too: torchrun sends it to each
+    worker's whole process group, a terminal's Ctrl-C to the foreground group, Slurm to every process of the
+    job. A worker dying of it ("worker killed by signal: Terminated") would fail the run before it saves.
+
+    SIGINT is ignored. SIGTERM keeps the one meaning PyTorch gives it in a worker: sent by the training
+    process (ending a worker that did not stop in time, or at exit), it ends the worker quietly; from anyone
+    else it is now ignored, where PyTorch's handler would die of it. A worker whose training process is gone
+    ends by itself within seconds (PyTorch's watchdog), so nothing is left behind."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Blocked in this thread and every thread it starts, so only the waiting thread below receives SIGTERM.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    threading.Thread(target=_end_on_sigterm_from, args=(os.getppid(),), name="sigterm", daemon=True).start()
+
+
+def _end_on_sigterm_from(parent: int) -> None:
+    while True:
+        if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
+            os._exit(0)  # as PyTorch's worker handler does: exit 0, so the loader reports no failed worker
 
 
 def continue_command(argv: list[str], world_size: int) -> str:
