@@ -104,22 +104,6 @@ def test_a_bad_data_line_is_one_message_naming_file_and_line(tmp_path, pretrain_
         assert "trainer_utils.py" not in result.stderr and "jsonl_file.py" not in result.stderr
 
 
-def test_weights_that_do_not_fit_the_flags_are_one_message_naming_both_shapes(tmp_path, pretrain_data, sft_data):
-    out = ["--save_dir", str(tmp_path / "out"), "--checkpoint_dir", str(tmp_path / "ckpt")]
-    train("train_pretrain.py", None, [*out, "--data_path", str(pretrain_data), "--max_steps", "1"], tmp_path)
-    result = train("train_full_sft.py", None, [*out, "--data_path", str(sft_data), "--num_hidden_layers", "3"],
-                   tmp_path, check=False)
-    expect_user_error(result, "num_hidden_layers: file has 2", "--num_hidden_layers asks 3")
-
-
-def test_a_resume_with_another_setting_is_one_message_with_the_diff(tmp_path, pretrain_data):
-    args = ["--data_path", str(pretrain_data), "--save_dir", str(tmp_path / "out"), "--checkpoint_dir",
-            str(tmp_path / "ckpt"), "--max_steps", "1"]
-    train("train_pretrain.py", None, args, tmp_path)
-    result = train("train_pretrain.py", None, [*args, "--from_resume", "1", "--seed", "7"], tmp_path, check=False)
-    expect_user_error(result, "args.seed: checkpoint has 42, this run has 7")
-
-
 @pytest.mark.parametrize("content", ["", "\n  \n\n"], ids=["empty", "blank_lines"])
 def test_a_data_file_without_records_is_one_message_not_an_endless_epoch(tmp_path, content):
     empty = tmp_path / "empty.jsonl"

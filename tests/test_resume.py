@@ -184,34 +184,26 @@ def test_sigterm_saves_exits_zero_and_resume_keeps_each_sample_once(tmp_path, pr
     assert status_of(tmp_path)["status"] == "completed"
 
 
-@pytest.mark.parametrize("flag,value,field", [
-    ("--hidden_size", "64", "model.hidden_size"),
-    ("--batch_size", "3", "args.batch_size"),
-    ("--data_path", None, "data.lines"),
-])
-def test_resume_refuses_a_changed_setting_naming_the_field(tmp_path, pretrain_data, flag, value, field):
-    args = run_args(tmp_path, pretrain_data, "--batch_size", "2", "--max_steps", "2")
-    train("train_pretrain.py", None, args, tmp_path)
-    if flag == "--data_path":
-        other = tmp_path / "other.jsonl"
-        other.write_text("\n".join(pretrain_data.read_text().splitlines()[:20]) + "\n")
-        value = str(other)
-    changed = [*args, flag, value, "--from_resume", "1"]
-    if flag == "--hidden_size":  # a new hidden size is another run name: point it at the old file
-        changed += ["--resume_path", str(tmp_path / "ckpt" / "pretrain_32_history" / "step_00000002.pth")]
-    result = train("train_pretrain.py", None, changed, tmp_path, check=False)
-    assert result.returncode != 0
-    assert field in result.stderr and "cannot resume" in result.stderr
-    assert resume_file(tmp_path)["global_step"] == 2  # nothing was trained or saved after the refusal
-    assert len(trace_of(tmp_path)) == 2
-
-
-def test_from_resume_with_nothing_to_resume_says_so_and_starts_fresh(tmp_path, pretrain_data):
-    args = run_args(tmp_path, pretrain_data, "--max_steps", "1", "--from_resume", "1")
+def test_resume_with_nothing_to_resume_starts_fresh_and_one_with_a_changed_setting_is_refused_naming_it(
+        tmp_path, pretrain_data):
+    args = run_args(tmp_path, pretrain_data, "--batch_size", "2", "--max_steps", "2", "--from_resume", "1")
     result = train("train_pretrain.py", None, args, tmp_path)
     assert "no checkpoint of pretrain_32" in result.stdout and "starting fresh" in result.stdout
-    assert resume_file(tmp_path)["global_step"] == 1
     assert events_of(tmp_path) == [] and status_of(tmp_path)["resumed_from"] is None
+
+    other = tmp_path / "other.jsonl"
+    other.write_text("\n".join(pretrain_data.read_text().splitlines()[:20]) + "\n")
+    # A new hidden size is another run name: --resume_path points it at the old file.
+    old_file = ["--resume_path", str(tmp_path / "ckpt" / "pretrain_32_history" / "step_00000002.pth")]
+    for changed, field in [(["--hidden_size", "64", *old_file], "model.hidden_size"),
+                           (["--batch_size", "3"], "args.batch_size"),
+                           (["--data_path", str(other)], "data.lines"),
+                           (["--seed", "7"], "args.seed: checkpoint has 42, this run has 7")]:
+        result = train("train_pretrain.py", None, [*args, *changed], tmp_path, check=False)
+        assert result.returncode == 2 and field in result.stderr and "cannot resume" in result.stderr, field
+        assert result.stderr.startswith("error: ") and "Traceback" not in result.stderr  # one message
+        assert resume_file(tmp_path)["global_step"] == 2  # nothing was trained or saved after the refusal
+        assert len(trace_of(tmp_path)) == 2
 
 
 def test_resume_takes_the_sizes_no_flag_gives_from_the_checkpoint(tmp_path, pretrain_data, sft_data):

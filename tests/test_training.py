@@ -37,11 +37,18 @@ def test_two_process_pretrain_loss_falls_and_writes_contract_files(tmp_path, pre
     assert (state["world_size"], state["epoch"], state["global_step"]) == (2, 6, 30)
 
 
-def test_sft_refuses_a_missing_pretrain_file_then_starts_from_it(tmp_path, pretrain_data, sft_data):
+def test_sft_refuses_a_missing_or_misfit_pretrain_file_then_starts_from_it(tmp_path, pretrain_data, sft_data):
     result = train("train_full_sft.py", None, run_args(tmp_path, sft_data), tmp_path, check=False)
     assert result.returncode != 0 and "pretrain_32.pth does not exist" in result.stderr
     train("train_pretrain.py", None, run_args(tmp_path / "pre", pretrain_data, "--max_steps", "2",
                                               "--save_dir", str(tmp_path / "out")), tmp_path)
+    # Weights of another size: one message naming the file and both shapes, exit 2, nothing written.
+    result = train("train_full_sft.py", None, run_args(tmp_path, sft_data, "--num_hidden_layers", "3"), tmp_path,
+                   check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr and result.stderr.startswith("error: ")
+    assert "pretrain_32.pth does not fit" in result.stderr
+    assert "num_hidden_layers: file has 2" in result.stderr and "--num_hidden_layers asks 3" in result.stderr
+    assert not (tmp_path / "out" / "full_sft_32.pth").exists()
     # With a learning rate of 0 the optimizer changes nothing, so the SFT weights are the weights it started from.
     train("train_full_sft.py", None, run_args(tmp_path, sft_data, "--batch_size", "4", "--max_steps", "2",
                                               "--learning_rate", "0"), tmp_path)
@@ -64,15 +71,6 @@ def test_sft_trains_only_on_the_assistant_tokens(tmp_path, sft_data):
         text = sum(int((ids[1:] != PAD_ID).sum()) for ids, _ in rows)
         assert record["local_tokens"] == assistant, f"step {record['step']}"
         assert 0 < assistant < text, f"step {record['step']}: {assistant} loss tokens of {text}"
-
-
-def test_sft_refuses_pretrain_weights_of_another_size(tmp_path, pretrain_data, sft_data):
-    train("train_pretrain.py", None, run_args(tmp_path, pretrain_data, "--max_steps", "1"), tmp_path)
-    result = train("train_full_sft.py", None, run_args(tmp_path, sft_data, "--num_hidden_layers", "3"), tmp_path,
-                   check=False)
-    assert result.returncode != 0 and "pretrain_32.pth does not fit" in result.stderr
-    assert "num_hidden_layers" in result.stderr  # the error names the size that differs
-    assert not (tmp_path / "out" / "full_sft_32.pth").exists()
 
 
 def test_lm_checkpoint_round_trip(tmp_path):
