@@ -16,7 +16,7 @@ and the log says so, only when its holder is provably gone:
 
 A thread rewrites the heartbeat every HEARTBEAT_S seconds. Holding the lock, rank 0 clears temp files of
 killed writes and checks that nothing obstructs the checkpoint paths; then every rank checks that it sees the
-lock rank 0 wrote, i.e. that all nodes share the checkpoint directory. The lock is released at exit.
+lock rank 0 wrote (all nodes share the checkpoint directory). The lock is released at exit.
 
 A run can lose its lock: paused (SIGSTOP, a frozen node) until its heartbeat went stale, and its job requeued
 meanwhile took the directory over; or the file was removed by hand. From the moment it sees that (`lock_lost`),
@@ -132,8 +132,7 @@ class DirectoryLock:
         self.held = False
         self.fresh_until = 0.0  # no takeover is possible before this time (see the module docstring)
         self.why_lost: str | None = None  # once the lock is seen lost: the line that says so
-        # The heartbeat thread's read-then-write and `release` take turns: a beat that read the file just before
-        # the release removed it would otherwise write the lock back after the run ended.
+        # A beat (read, then write) and `release` take turns, or a beat could write the lock back after the release.
         self._beat_or_release = threading.Lock()
 
     def acquire(self) -> None:
@@ -299,7 +298,7 @@ def _heartbeat_loop() -> None:
                 lock.log(f"WARNING: could not write the heartbeat of {lock.path}: {error}")
 
 
-# ---- at start, holding the lock: what killed writes left, what stands where a save writes ------------------------------------------------
+# ---- at start, holding the lock: what killed writes left, what stands where a save writes ---------------
 
 def find_obstructions(files: RunFiles, out_path: Path) -> list[str]:
     """What stands where a save must write, one entry per path: a folder, fifo or broken link where a file
