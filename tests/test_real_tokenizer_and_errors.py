@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from conftest import REPO, child_env, train
+from conftest import REPO, child_env, free_port, train
 from model.chat_template import TAGS
 from model.tokenizer import SPECIAL_TOKENS
 
@@ -101,7 +101,41 @@ def test_a_bad_data_line_is_one_message_naming_file_and_line(tmp_path, pretrain_
         expect_user_error(result, message)
     else:  # every rank stops with the message; the traceback torchrun prints is its own, not ours
         assert result.returncode != 0 and message in result.stderr
+        assert f"traceback : error: {message}" in result.stderr  # torchrun's summary names it too
         assert "trainer_utils.py" not in result.stderr and "jsonl_file.py" not in result.stderr
+
+
+# A worker whose rank 1 alone meets an expected error (say, a data file that differs on its node); rank 0
+# waits for it in a collective. Only rank 0 prints expected errors, so rank 1's line reaches the user
+# through torchrun's failure summary (process_exit.report_to_torchrun).
+RANK_1_ALONE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch.distributed as dist
+from dataset.jsonl_file import DataFileError
+from trainer.hardening.process_exit import run_script
+
+
+def main():
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        raise DataFileError("data.jsonl, line 7: changed on this node only")
+    dist.barrier()
+
+
+run_script(main)
+"""
+
+
+def test_an_expected_error_on_one_rank_alone_is_shown_in_torchruns_summary(tmp_path):
+    script = tmp_path / "rank_1_alone.py"
+    script.write_text(RANK_1_ALONE)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), str(script), str(REPO)]
+    result = subprocess.run(command, cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr  # torchrun's code for a failed worker group
+    assert "exitcode  : 2" in result.stderr
+    assert "traceback : error: data.jsonl, line 7: changed on this node only" in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize("content", ["", "\n  \n\n"], ids=["empty", "blank_lines"])

@@ -5,8 +5,10 @@ first, and every rank leaves together. Anything else is a bug and keeps its trac
 from __future__ import annotations
 
 import gc
+import json
 import os
 import sys
+import time
 from typing import Callable
 
 import torch.distributed as dist
@@ -37,12 +39,23 @@ def run_script(main: Callable[[], None]) -> None:
     # Here, outside the except blocks, the traceback (and the DDP model in main's frame) is gone.
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(message, file=sys.stdout if code == 3 else sys.stderr, flush=True)
+    report_to_torchrun(message)
     if code == 2 and dist.is_initialized():  # other ranks may wait in a collective: leave at once
         sys.stdout.flush()
         release_held()  # os._exit skips atexit, where the directory lock is released otherwise
         os._exit(2)
     cleanup_distributed(exit_code=code)  # an anomaly stop, a lost lock: agreed by all ranks, who leave together
     sys.exit(code)
+
+
+def report_to_torchrun(message: str) -> None:
+    """Under torchrun, the line goes into this worker's error file too: torchrun's failure summary then shows it
+    for each rank that failed, where it said "error_file: <N/A>". Only rank 0 prints it (every rank usually
+    meets the same error), so this is where an error that rank 0 did not meet shows its line."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")  # set by torchrun for each worker, per attempt
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"message": message, "timestamp": int(time.time())}, f)
 
 
 def cleanup_distributed(exit_code: int = 0) -> None:
