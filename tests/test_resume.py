@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from conftest import (TINY_MODEL, assert_each_sample_once, assert_states_equal, child_pids, events_of, history_file,
+from conftest import (assert_each_sample_once, assert_states_equal, child_pids, events_of, history_file,
                       launch_command, read_trace, resume_file, run_args, slowed_env, status_of, trace_of, train,
                       with_loader_workers)
 from model.model import CausalLM, LMConfig

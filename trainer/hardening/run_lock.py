@@ -14,9 +14,9 @@ and the log says so, only when its holder is provably gone:
   torchrun's --rdzv-id) and its heartbeat is stale. A fresh heartbeat with our job id is waited out, up to
   STALE_AFTER_S: the previous attempt died moments ago.
 
-A thread rewrites the heartbeat every HEARTBEAT_S seconds. Holding the lock, rank 0 clears temp files of
-killed writes and checks that nothing obstructs the checkpoint paths; then every rank checks that it sees the
-lock rank 0 wrote (all nodes share the checkpoint directory). The lock is released at exit.
+A thread rewrites the heartbeat every HEARTBEAT_S seconds; the lock is released at exit. Holding it, rank 0 clears
+killed writes' temp files and checks nothing obstructs the checkpoint paths; every rank checks it sees that lock
+(all nodes must share the checkpoint directory).
 
 A run can lose its lock: paused (SIGSTOP, a frozen node) until its heartbeat went stale, and its job requeued
 meanwhile took the directory over; or the file was removed by hand. From the moment it sees that (`lock_lost`),
@@ -132,8 +132,7 @@ class DirectoryLock:
         self.held = False
         self.fresh_until = 0.0  # no takeover is possible before this time (see the module docstring)
         self.why_lost: str | None = None  # once the lock is seen lost: the line that says so
-        # A beat (read, then write) and `release` take turns, or a beat could write the lock back after the release.
-        self._beat_or_release = threading.Lock()
+        self._beat_or_release = threading.Lock()  # else a beat could write the lock back after the release
 
     def acquire(self) -> None:
         deadline = time.monotonic() + STALE_AFTER_S + 2 * HEARTBEAT_S  # the longest we wait for a stale beat
@@ -212,8 +211,7 @@ class DirectoryLock:
             record = {**self.record, "heartbeat": time.time()}
             if not self._still_ours():
                 return
-            # A file system has no compare-and-swap: a pause between that read and this rename could still write
-            # over a takeover. The new holder then finds its lock lost and stops, and one writer remains.
+            # No compare-and-swap on files: a takeover just after that read is written over; its holder then stops.
             atomic_write_text(self.path, json.dumps(record) + "\n")
             self.record, self.fresh_until = record, record["heartbeat"] + STALE_AFTER_S / 2
 
