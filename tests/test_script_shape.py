@@ -25,15 +25,23 @@ def test_the_two_scripts_are_identical_apart_from_the_lines_marked_stage():
     assert pretrain == sft, "\n".join(f"{a!r} != {b!r}" for a, b in zip(pretrain, sft) if a != b)[:3000]
 
 
+# Iteration N of train_epoch, in the order it happens: step N is taken, then step N's log line, validation and save.
+STEP_N_IN_ORDER = ("get_lr(", "no_sync(model)", ".backward()", "scaler.unscale_(", "clip_grad_norm_(",
+                   "optimizer_step(", "zero_grad(", "judge.add(", "judge.settle()", "tracker.log(", "validation_loss(",
+                   "lm_checkpoint(")
+
+
 def test_each_script_writes_out_the_step_the_save_and_the_sampler():
     for script in SCRIPTS:
         text = (REPO / "trainer" / script).read_text(encoding="utf-8")
-        for piece in ("SkipBatchSampler(", "no_sync(model)", ".backward()", "clip_grad_norm_(", "judge.hand_in(",
-                      "step_unless_refused(", "zero_grad(", "lm_checkpoint(", "get_lr(", "tracker.log("):
-            assert piece in text, f"{script} does not contain {piece}"
+        loop = text[text.index("def train_epoch("):text.index("def main(")]
+        assert "SkipBatchSampler(" in loop, script
+        places = [loop.find(piece) for piece in STEP_N_IN_ORDER]
+        assert -1 not in places and places == sorted(places), dict(zip(STEP_N_IN_ORDER, places))
+        assert all(loop.count(piece) == 1 for piece in STEP_N_IN_ORDER), "each happens once in an iteration"
         sections = re.findall(r"# ---- (\d+)\. ", text)
         assert sections == [str(i) for i in range(1, len(sections) + 1)] and len(sections) >= 8, sections
-        # nanoGPT's train.py is about 340 lines; the step-late verdict lives in hardening/deferred_verdict.py.
+        # nanoGPT's train.py is about 340 lines; the guard's verdicts live in hardening/step_judge.py.
         assert len(text.splitlines()) <= 260, f"{script} has {len(text.splitlines())} lines"
         tree = ast.parse(text)
         assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Nonlocal, ast.Global, ast.Lambda))], script

@@ -32,20 +32,20 @@ from dataset.lm_dataset import PackedPretrainDataset, PretrainDataset  # stage
 from model.tokenizer import load_tokenizer
 from trainer.hardening.anomaly import install_debug_injection
 from trainer.hardening.background_save import BackgroundSaver, finish_saves
-from trainer.hardening.deferred_verdict import DeferredVerdict, Rollback, Step, StopRequested
 from trainer.hardening.flag_checks import check_flags
 from trainer.hardening.operator_flags import add_operator_flags
 from trainer.hardening.process_exit import cleanup_distributed, run_script
 from trainer.hardening.resume_checks import data_fingerprint, resume_settings
 from trainer.hardening.run_lock import claim_run_directories
 from trainer.hardening.sharding import no_sync, shard_model
-from trainer.hardening.step_numbers import step_unless_refused
+from trainer.hardening.step_judge import Rollback, Step, StepJudge
 from trainer.hardening.stopping import end_of_run, loader_worker_ignores_stops
 from trainer.hardening.tracking import Tracker, flops_per_token, validation_loss
-from trainer.trainer_utils import (REPO_ROOT, IndexedDataset, Position, RunSpec, SkipBatchSampler, capture_rng_state,
-                                   epoch_order, get_lr, given_sizes, init_distributed, init_model, lm_checkpoint,
-                                   model_config, rank0_logger, resolve_accumulation, restore_training_state, run_name,
-                                   setup_seed, step_in_epoch, sum_over_ranks, total_steps, trained_indices, unwrap)
+from trainer.trainer_utils import (REPO_ROOT, IndexedDataset, Position, RunSpec, SkipBatchSampler, epoch_order, get_lr,
+                                   given_sizes, init_distributed, init_model, lm_checkpoint, model_config,
+                                   optimizer_step, rank0_logger, resolve_accumulation, restore_training_state,
+                                   run_name, setup_seed, step_in_epoch, sum_over_ranks, total_steps, trained_indices,
+                                   unwrap)
 
 
 def parse_args() -> argparse.Namespace:
@@ -88,8 +88,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds, val_ds, run: RunSpec,
-                lm_config, dist_info, judge: DeferredVerdict, tracker: Tracker, saver: BackgroundSaver) -> Position:
-    """Train from `at` to its epoch's end or --max_steps; a rollback or a stop leaves as an exception."""
+                lm_config, dist_info, judge: StepJudge, tracker: Tracker, saver: BackgroundSaver) -> Position:
+    """Train from `at` to its epoch's end, a stop or --max_steps, saving at intervals; a rollback raises."""
     n, global_batch, rank, world_size = run.num_samples, run.global_batch, dist_info.rank, dist_info.world_size
     sampler = SkipBatchSampler(epoch_order(args.seed, at.epoch, n), at.samples_consumed, global_batch,
                                args.batch_size, rank, world_size)
@@ -98,8 +98,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
                               pin_memory=dist_info.device.type == "cuda", worker_init_fn=loader_worker_ignores_stops,
                               generator=torch.Generator().manual_seed(args.seed * 1_000_003 + at.epoch)))
     for s in range(sampler.num_steps()):
-        rng = capture_rng_state()  # as it is after the previous step: a save of that step stores it
-        # ---- one optimizer step: the next global batch, split over ranks and micro-steps ------------
+        # ---- step N: the next global batch, split over ranks and micro-steps -------------------------
         micro_batches = [next(batches) for _ in range(sampler.micro_steps_per_step(s))]
         window = len(sampler.step_window(s))
         # The LR at the position this step reaches, so the first step already trains.
@@ -123,33 +122,37 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
             loss_sum += out.loss.detach().double()
         scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        # ---- the step before this one, judged now: its numbers reached the host while the device
-        # worked on this one. Its log line and save come here, before this step changes the weights.
-        step = Step(at.global_step + 1, at.epoch, at.samples_consumed, at.after(window, n), lr,
-                    trained_indices(micro_batches), sum(x.numel() for x, _ in on_device), rng)
-        done, refusal = judge.hand_in(step, loss_sum, local_tokens, global_tokens, grad_norm)
-        if done is not None:
-            after = done.step.after  # the position once `done` was taken
-            if done.number % args.log_interval == 0 or done.epoch_ended:
-                tracker.log(done.metrics, done.number, total_steps(after, n, global_batch, args.epochs))
-            if val_ds is not None and done.number % args.eval_interval == 0:  # (and after the last step)
-                tracker.validation(done.number, validation_loss(unwrap(model), val_ds, args.batch_size,
-                                                                dist_info.device, autocast))
-            if done.epoch_ended or done.number % args.save_interval == 0:
-                started = time.perf_counter()
-                kept = lm_checkpoint(lm_config, args.save_weight, model, optimizer, after.epoch,
-                                     step_in_epoch(n, after.samples_consumed, global_batch), tracker.runs,
-                                     args.save_dir, args.checkpoint_dir, position=after, scaler=scaler, run=run,
-                                     anomaly_state=done.anomaly_state, rng_state=done.rng_after, saver=saver)
-                tracker.saved(done.number, kept, time.perf_counter() - started)  # the time it blocked training
-        # ---- the optimizer step, unless the device refuses it (the guard's rule); then the next one --
         for group in optimizer.param_groups:
             group["lr"] = lr
-        step_unless_refused(optimizer, scaler, refusal)  # AdamW, or nothing where refusal is 1
+        stepped_over = judge.steps_over(at.epoch, at.samples_consumed)  # a window that went wrong before a rollback
+        # AdamW's step: skipped on the device, with no wait, where a gradient is not finite (or stepped_over)
+        optimizer_step(optimizer, scaler, grad_norm, skip=stepped_over)
         optimizer.zero_grad(set_to_none=True)
-        saver.state_ready()  # a save copies the state from here, while the next step runs
-        at = step.after
-        if judge.stopping(args.max_steps):  # --max_steps steps taken
+        after = at.after(window, n)
+        step = Step(after.global_step, at.epoch, at.samples_consumed, after.samples_consumed, lr,
+                    trained_indices(micro_batches), sum(x.numel() for x, _ in on_device))
+        judge.add(step, loss_sum, local_tokens, global_tokens, grad_norm, stepped_over)  # (kept on the device)
+        at = after
+        # ---- step N's log line, validation and save, at their intervals ------------------------------
+        last = judge.last_step(args.max_steps) or at.epoch == args.epochs  # a stop on any rank, --max_steps, the end
+        log_now = at.global_step % args.log_interval == 0 or at.samples_consumed == 0 or last
+        validate = val_ds is not None and (at.global_step % args.eval_interval == 0 or last)
+        save_now = at.global_step % args.save_interval == 0 or at.samples_consumed == 0 or last
+        if log_now or validate or save_now:  # the host waits for the device here only, as for minimind's loss.item()
+            metrics = judge.settle()  # the steps since the last wait, judged in order: Rollback, AnomalyStop raise
+        if log_now:
+            tracker.log(metrics, at.global_step, total_steps(at, n, global_batch, args.epochs))
+        if validate:
+            tracker.validation(at.global_step, validation_loss(unwrap(model), val_ds, args.batch_size,
+                                                               dist_info.device, autocast))
+        if save_now:
+            started = time.perf_counter()
+            kept = lm_checkpoint(lm_config, args.save_weight, model, optimizer, at.epoch,
+                                 step_in_epoch(n, at.samples_consumed, global_batch), save_dir=args.save_dir,
+                                 checkpoint_dir=args.checkpoint_dir, position=at, scaler=scaler, run=run,
+                                 anomaly_state=judge.guard.state_dict(), trackers=tracker.runs, saver=saver)
+            tracker.saved(at.global_step, kept, time.perf_counter() - started)  # the time it blocked training
+        if last:
             break
     return at
 
@@ -184,7 +187,7 @@ def main() -> None:
     use_cuda, dtype = device.type == "cuda", getattr(torch, args.dtype)
     # FP32 master weights, bf16 (or fp16 + GradScaler) autocast on CUDA; fsdp: a slice per rank (sharding.py)
     model = shard_model(model, device, dtype, args) if args.parallel == "fsdp" else model.to(device)
-    # fused: one kernel for all parameters, and it can skip a refused step on the device (step_numbers.py)
+    # fused: one kernel for all parameters, and it can skip a step on the device (trainer_utils.optimizer_step)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.01, fused=True)
     autocast = torch.autocast("cuda", dtype=dtype) if use_cuda and dtype != torch.float32 else nullcontext()
     scaler = torch.amp.GradScaler("cuda", enabled=use_cuda and dtype == torch.float16)
@@ -205,28 +208,22 @@ def main() -> None:
                       model_flops_per_token=flops_per_token(unwrap(model).num_parameters(), lm_config.num_hidden_layers,
                                                             lm_config.hidden_size, args.max_seq_len))
     saver = BackgroundSaver(bool(args.async_save), use_cuda, args.keep_last, bool(args.gather_weights),
-                            args.tokenizer_path if args.save_hf else None)  # rank 0 writes (fsdp: every rank)
-    # The guard's verdict on each step, a step late: the host never waits for the device (deferred_verdict.py)
-    judge = DeferredVerdict(args, tracker, saver, not scaler.is_enabled(), dist_info, at.global_step,
-                            state["anomaly"] if state else {}, log)  # (a resume keeps the guard's memory)
+                            args.tokenizer_path if args.save_hf else None, optimizer)  # rank 0 writes (fsdp: all)
+    # The guard's verdicts, reached where the host waits for the device anyway (hardening/step_judge.py)
+    judge = StepJudge(args, tracker, saver, not scaler.is_enabled(), dist_info, at.global_step,
+                      state["anomaly"] if state else {}, log)  # (a resume keeps the guard's memory)
     install_debug_injection(model, args.debug_inject, current_step=judge.step_in_progress)  # --debug_inject only
     if args.use_compile and args.parallel == "ddp":  # (FSDP compiled each layer as it sharded it)
         model = torch.compile(model, backend=args.compile_backend)
     if world_size > 1 and args.parallel == "ddp":
         model = DistributedDataParallel(model, device_ids=[dist_info.local_rank] if use_cuda else None)
 
-    # ---- 7. Train, epoch by epoch, from the resumed position; then judge the last step -------------
+    # ---- 7. Train, epoch by epoch, from the resumed position, to the end, a stop or --max_steps -----
     with tracker, saver:  # on an error: the save in flight completes and the status file says "failed"
-        done, finished = None, False  # done: the run's last step, judged
-        while not finished:
+        while at.epoch < args.epochs and not judge.stopped:
             try:
-                if at.epoch < args.epochs and not judge.stopping(args.max_steps):
-                    at = train_epoch(args, at, model, optimizer, scaler, autocast, train_ds, val_ds, run, lm_config,
-                                     dist_info, judge, tracker, saver)
-                else:  # no step comes after the last one to overlap with: it is judged now
-                    done, finished = judge.settle(capture_rng_state()), True
-            except StopRequested:  # SIGTERM or Ctrl-C: this step is dropped, the one before it is saved
-                continue
+                at = train_epoch(args, at, model, optimizer, scaler, autocast, train_ds, val_ds, run, lm_config,
+                                 dist_info, judge, tracker, saver)
             except Rollback as rollback:  # back to the newest checkpoint; the bad window is stepped over
                 optimizer.zero_grad(set_to_none=True)
                 finish_saves(saver)  # the newest checkpoint must be complete before we look for it
@@ -234,20 +231,8 @@ def main() -> None:
                 at = Position(*judge.rolled_back(rollback, state))  # no checkpoint yet: AnomalyStop
                 restore_training_state(state, model, optimizer, scaler, rank, world_size)
                 tracker.rollback(at.global_step, total_steps(at, n, global_batch, args.epochs))
-        # ---- 8. The last step's log line, validation and save ----------------------------------------
-        if done is not None:  # (None: this invocation had no step to take)
-            at = done.step.after
-            tracker.log(done.metrics, done.number, total_steps(at, n, global_batch, args.epochs))
-            if val_ds is not None:
-                tracker.validation(done.number, validation_loss(unwrap(model), val_ds, args.batch_size, device,
-                                                                autocast))
-            started = time.perf_counter()
-            kept = lm_checkpoint(lm_config, args.save_weight, model, optimizer, at.epoch,
-                                 step_in_epoch(n, at.samples_consumed, global_batch), tracker.runs, args.save_dir,
-                                 args.checkpoint_dir, position=at, scaler=scaler, run=run,
-                                 anomaly_state=done.anomaly_state, rng_state=done.rng_after, saver=saver)
-            tracker.saved(done.number, kept, time.perf_counter() - started)
-        finish_saves(saver)  # the last save is on disk before the run reports its end
+        # ---- 8. The end: the last save on disk, then the run's status ------------------------------
+        finish_saves(saver)
         tracker.finish("stopped" if at.epoch < args.epochs else "completed")
 
     # ---- 9. Cleanup ------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The one helper module both training scripts call, as in minimind. Read it after the script.
 
     1. running         REPO_ROOT, distributed init, logger, seeds (how a run exits: hardening/process_exit.py)
-    2. schedule        get_lr (follows the position in the data), batch geometry
+    2. schedule, step  get_lr (follows the position in the data), batch geometry, optimizer_step (what skips one)
     3. data order      samples_consumed -> SkipBatchSampler: which samples each rank trains, in what order
     4. model           the model from flags or from --from_weight's file
     5. checkpoints     lm_checkpoint: the commented `_resume.pth` dict on save; on load (_load_checkpoint),
@@ -85,7 +85,7 @@ def setup_seed(seed: int) -> None:
     torch.cuda.manual_seed_all(seed)
 
 
-# ---- 2. schedule and batch geometry ------------------------------------------------------------
+# ---- 2. schedule, batch geometry and the optimizer step ----------------------------------------
 
 def get_lr(progress: float, base_lr: float, warmup_ratio: float) -> float:
     """LR at `progress` = samples trained / samples of the whole run, in [0, 1].
@@ -98,6 +98,37 @@ def get_lr(progress: float, base_lr: float, warmup_ratio: float) -> float:
         return base_lr * (progress + 1e-8) / warmup_ratio
     decay = (progress - warmup_ratio) / max(1e-8, 1 - warmup_ratio)
     return base_lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(decay, 1.0))))
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, grad_norm: torch.Tensor,
+                   skip: bool = False) -> None:
+    """AdamW's step, unless a gradient holds an inf or a NaN, decided on the device: the host does not wait.
+
+    What skips a step, and nothing else does:
+      - a non-finite gradient (`grad_norm`, of the gradients all ranks share, so every rank skips alike).
+        Under fp16 it is GradScaler's own check (its unscale_ looked at every gradient); under bf16/fp32 the
+        same test on the norm, handed to fused AdamW as `found_inf`, the attribute GradScaler sets for it.
+        Where it is 1 the kernel leaves weights, moments and step count as they were. A non-finite loss
+        makes non-finite gradients, so it is skipped too.
+      - `skip`: a window a rollback steps over (the host knows it before the step).
+    A spike is applied here; the anomaly guard judges it at the next log line or save, before any
+    checkpoint holds it (hardening/step_judge.py).
+    """
+    if not optimizer.defaults.get("fused"):
+        raise ValueError("optimizer_step skips a step on the device: it needs AdamW(..., fused=True)")
+    if skip:
+        scaler.update()  # (fp16: the unscale_ of this step expects an update; otherwise it does nothing)
+        return
+    if scaler.is_enabled():
+        scaler.step(optimizer)  # fp16: skipped where unscale_ found an inf or NaN
+    else:
+        norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # (FSDP: a DTensor)
+        optimizer.found_inf = (~torch.isfinite(norm)).float()  # read by the fused kernel, on the device
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+    scaler.update()
 
 
 def resolve_accumulation(batch_size: int, world_size: int, accumulation_steps: int,
@@ -333,14 +364,14 @@ def total_steps(at: Position, num_samples: int, global_batch: int, epochs: int) 
 def lm_checkpoint(lm_config: LMConfig, weight: str = "full_sft", model=None, optimizer=None, epoch: int = 0,
                   step: int = 0, wandb=None, save_dir: str = "out", checkpoint_dir: str = "checkpoints", *,
                   position: Position | None = None, scaler=None, run: RunSpec | None = None,
-                  anomaly_state: dict | None = None, rng_state: dict | None = None,
+                  anomaly_state: dict | None = None, trackers: dict | None = None,
                   saver: BackgroundSaver | None = None) -> dict | Path | None:
     """Save a checkpoint (when `model` is given; returns the kept file it writes) or load the newest good one.
 
-    The positional parameters are minimind's (`wandb`: a wandb run, or the dict of tracker runs by name);
-    the keywords are what exact resume adds. Saving runs on every rank: it gathers each rank's RNG state
-    (`rng_state`, as it was right after the step saved, or else now); rank 0 writes through `saver`
-    (background or not, how many to keep). A sharded (FSDP) model is saved by every rank.
+    The positional parameters are minimind's (`wandb`: a wandb run); the keywords are what exact resume
+    adds (`trackers`: the tracker runs by name, {"wandb": run, "swanlab": run}). Saving runs on every rank,
+    right after the step it saves: it gathers each rank's RNG state as it is now; rank 0 writes through
+    `saver` (background or not, how many to keep). A sharded (FSDP) model is saved by every rank.
     Loading returns the newest checkpoint that verifies (or `run.resume_path`'s), checked against `run`
     and this `lm_config`, its step label rescaled to this run's global batch; None if the run has none.
     """
@@ -348,28 +379,42 @@ def lm_checkpoint(lm_config: LMConfig, weight: str = "full_sft", model=None, opt
     if model is None:
         return _load_checkpoint(files, lm_config, run)
     position = position or Position(epoch, 0, step)
-    rng_states = gather_rng_states(position.global_step, rng_state or capture_rng_state())
-    trackers = wandb if isinstance(wandb, dict) else {"wandb": wandb}
+    rng_states = gather_rng_states(position.global_step, capture_rng_state())  # in rank order
+    trackers = trackers if trackers is not None else {"wandb": wandb}
     saver = saver or BackgroundSaver(background=False, pin_memory=False)
     error, sharded, kept = None, sharding.is_sharded(model), files.history_file(position.global_step)
     if sharded or not dist.is_initialized() or dist.get_rank() == 0:
         # What a `_resume.pth` holds: everything the next optimizer step depends on.
         state = {
             "format_version": 1,
-            "model": unwrap(model).state_dict(),  # FP32 master weights (the out/ file gets an FP16 copy)
-            "optimizer": optimizer.state_dict(),  # AdamW's moments and step counts
-            "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,  # fp16 only
+            # FP32 master weights. The out/ file is this dict with each tensor cast, `t.to("cpu", torch.float16)`
+            # (checkpoint_io.write_checkpoint_files, on the copy the writer holds: training is not slowed).
+            "model": unwrap(model).state_dict(),
+            # AdamW: {"state": {param index: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [{"lr", ...}]}
+            "optimizer": optimizer.state_dict(),
+            # fp16 only: GradScaler's {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
+            "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
             "epoch": position.epoch,
             "samples_consumed": position.samples_consumed,  # the data position: the one number resume trusts
             "step": step,  # a label: this run's global batches that reach samples_consumed
             "global_step": position.global_step,  # optimizer steps since the run began; trackers log against it
             "world_size": len(rng_states), "lr": optimizer.param_groups[0]["lr"],
-            "rng": rng_states,  # one entry per rank: torch, cuda, numpy, python
+            # One entry per rank (capture_rng_state): {"torch": CPU generator state, "cuda": [one per GPU],
+            # "numpy": {"kind", "keys", "pos", "has_gauss", "cached_gaussian"}, "python": {"version", "state",
+            # "gauss_next"}}. A resume on the same world size restores each rank's own (restore_training_state).
+            "rng": rng_states,
             # What resume_checks compares, to refuse a resume that would not continue this run:
-            "lm_config": resume_checks.plain(lm_config.to_dict()),
-            "train_args": resume_checks.plain(run.settings if run else {}),  # batch geometry, seed, LR, epochs
-            "data_fingerprint": resume_checks.plain(run.data_fingerprint if run else {}),  # size, lines, hash
-            "anomaly": resume_checks.plain(anomaly_state or {}),  # the guard's memory: history, rollbacks
+            "lm_config": resume_checks.plain(lm_config.to_dict()),  # LMConfig's fields: sizes, vocab, rope, MoE
+            # {"batch_size", "accumulation_steps", "global_batch_size", "world_size", "epochs", "seed",
+            #  "max_seq_len", "pack", "learning_rate", "warmup_ratio", "grad_clip", SFT's two ratios}
+            "train_args": resume_checks.plain(run.settings if run else {}),
+            "data_fingerprint": resume_checks.plain(run.data_fingerprint if run else {}),  # path, size, lines, sha256
+            # The anomaly guard's memory after this step: {"detector": {"losses", "grad_norms" (the last 20
+            # accepted), "best_loss", "best_step", "checks_since_best"}, "rollbacks", "lr_scale", "skip_windows"}
+            "anomaly": resume_checks.plain(anomaly_state or {}),
+            # The wandb / SwanLab run ids (None: not used). A resume hands them back to `init(id=...,
+            # resume="allow")` (the script's section 6: Tracker(..., tracker_ids=state["tracker_ids"])),
+            # so the curves continue in the same tracker run.
             "tracker_ids": {name: _tracker_id(trackers.get(name), name) for name in ("wandb", "swanlab")},
         }
         info = {"epoch": position.epoch, "global_step": position.global_step,
@@ -406,8 +451,9 @@ def _load_checkpoint(files: checkpoint_io.RunFiles, lm_config: LMConfig, run: Ru
         log(f"resume: {note}")
     # The step label on this GPU count. The data position is samples_consumed, so the label is
     # the number of this run's global batches that reach it, ceil-divided at an epoch's short
-    # tail: `samples_consumed // global_batch` when it divides. minimind rescales the step
-    # instead, `step * old_ws // new_ws`, which is the same number whenever that division is exact.
+    # tail: `samples_consumed // global_batch` when it divides. minimind rescales its step instead,
+    # `step * old_ws // new_ws`; its step counts micro-batches, so that is the same number only with
+    # --accumulation_steps 1 (and the division exact). With accumulation it lands elsewhere in the data.
     old_step, state["step"] = state["step"], step_in_epoch(run.num_samples, state["samples_consumed"], run.global_batch)
     if state["global_step"] is None:  # minimind's file does not count the steps of earlier epochs
         steps_per_epoch = step_in_epoch(run.num_samples, run.num_samples, run.global_batch)

@@ -3,7 +3,10 @@
 The library has no test hooks: a test (or benchmarks/soak_kill.py) puts this directory on the child's
 PYTHONPATH, and Python imports `sitecustomize` at start-up. With the variables unset it does nothing.
 
-    FAULT_STEP_DELAY_S  sleep in each optimizer step, after its numbers reach the host (`StepNumbers.read`)
+    FAULT_STEP_DELAY_S  sleep in each optimizer step, once it is taken (`StepJudge.add`)
+    FAULT_SIGNAL_AT_STEP  SIGTERM to the training process itself once that step is taken, as a scheduler
+                        would send it at that moment (once per process)
+    FAULT_SIGNAL_RANK   with the above, only this rank signals itself (the others learn it from the vote)
     FAULT_SAVE_DELAY_S  sleep at each stage of a checkpoint save: before the bytes of a file are
                         written (a kill leaves an empty temp file), before a manifest or pointer is
                         written (a history file without manifest), before the written file is checked (no link yet)
@@ -20,6 +23,7 @@ import functools
 import importlib.abc
 import importlib.machinery
 import os
+import signal
 import sys
 import time
 
@@ -27,6 +31,8 @@ STEP_DELAY = float(os.environ.get("FAULT_STEP_DELAY_S", "0") or 0)
 SAVE_DELAY = float(os.environ.get("FAULT_SAVE_DELAY_S", "0") or 0)
 DISK_FULL_AT_STEP = os.environ.get("FAULT_DISK_FULL_AT_STEP")
 DISK_FULL_RANK = os.environ.get("FAULT_DISK_FULL_RANK")
+SIGNAL_AT_STEP = int(os.environ.get("FAULT_SIGNAL_AT_STEP", "0") or 0)
+SIGNAL_HERE = os.environ.get("FAULT_SIGNAL_RANK") in (None, os.environ.get("RANK", "0"))
 
 
 def sleep_before(function, seconds: float):
@@ -46,8 +52,18 @@ def sleep_after(function, seconds: float):
     return slowed
 
 
-def patch_step_numbers(module) -> None:
-    module.StepNumbers.read = sleep_after(module.StepNumbers.read, STEP_DELAY)
+def patch_step_judge(module) -> None:
+    add = sleep_after(module.StepJudge.add, STEP_DELAY)
+    signalled = []
+
+    @functools.wraps(add)
+    def add_then_signal(judge, step, *args, **kwargs):
+        add(judge, step, *args, **kwargs)
+        if step.number == SIGNAL_AT_STEP and SIGNAL_HERE and not signalled:
+            signalled.append(step.number)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    module.StepJudge.add = add_then_signal
 
 
 STAGE = SAVE_DELAY / 4
@@ -93,8 +109,8 @@ def patch_dcp_files(module) -> None:
 
 
 PATCHES = {}
-if STEP_DELAY > 0:
-    PATCHES["trainer.hardening.step_numbers"] = patch_step_numbers
+if STEP_DELAY > 0 or SIGNAL_AT_STEP:
+    PATCHES["trainer.hardening.step_judge"] = patch_step_judge
 if SAVE_DELAY > 0 or DISK_FULL_AT_STEP:
     PATCHES["trainer.hardening.durable_files"] = patch_durable_files
     PATCHES["trainer.hardening.checkpoint_io"] = patch_checkpoint_io

@@ -9,8 +9,7 @@ training reads the same without knowing how it works inside:
     save_on_ranks.py       lm_checkpoint's save on every rank: RNG states gathered, a failure raised on all
     sharding.py            --parallel fsdp: each rank keeps a slice, and saves it
     sharded_checkpoint.py  a sharded checkpoint's folder: its manifest check, its safe reading, consolidation
-    step_numbers.py        a step's loss and grad norm on their way to the host, and a refusable step
-    deferred_verdict.py    the anomaly guard's verdict one step late, so the host never waits
+    step_judge.py          the guard's verdicts on the steps since the last log line or save, in order
     anomaly.py             the guard itself: NaN, spikes, explosions, plateaus; warn, stop, rollback
     tracking.py            console, metrics and status files, wandb, SwanLab, validation
     run_lock.py            one trainer per directory; stopping.py, SIGTERM and Ctrl-C

@@ -5,20 +5,19 @@ why. `AnomalyGuard` applies the --on_anomaly policy to that verdict, every step.
 loss (reduced over ranks) and grad norm (of synchronized gradients), so they reach the same action
 without talking:
 
-    "apply"     the step is fine (or only worth a warning): take it
-    "skip"      non-finite under --on_anomaly warn: drop this update, keep training
-    "stop"      --on_anomaly stop: drop the update, exit non-zero with the reason
-    "rollback"  --on_anomaly rollback: drop the update, reload the last good checkpoint, and step over
-                this batch window when training reaches it again
+    "apply"     the step is fine (or only worth a warning): its update stands
+    "skip"      non-finite under --on_anomaly warn: its update was skipped on the device; keep training
+    "stop"      --on_anomaly stop: exit non-zero with the reason, before any save holds the step
+    "rollback"  --on_anomaly rollback: reload the last good checkpoint (from before the step), and step
+                over this batch window when training reaches it again
 
-When: the host never waits for a step's numbers before its optimizer step. `refusal` puts the guard's
-rule on the device (the limits come from the history up to the previous step, which the host has), and
-the optimizer skips a refused step there (fused AdamW's found_inf). The numbers travel to the host
-without blocking, and `verdict` reads them before the next step changes the weights: same rule, same
-limits, so it reaches the action the device already took, and says why (a disagreement is a bug and
-raises). Only a plateau is judged on the host alone: it is not refused, and it stops the run before
-anything is saved. A non-finite step is never applied. The guard's memory (history, rollbacks, windows
-to skip) is saved in every checkpoint, so a resume keeps it. `--debug_inject` shows the policy at work.
+When: a step whose gradients are not finite is skipped on the device before any verdict
+(trainer_utils.optimizer_step); the others are applied. The host judges every step later, in step
+order, where it waits for the device anyway (step_judge.py): a log line, a validation, a save, the run's
+end. So a spike under `stop` ends the run before anything holds it, and under `rollback` the run goes
+back to a checkpoint from before it. A non-finite step is never applied. The guard's memory (history,
+rollbacks, windows to skip) is saved in every checkpoint, so a resume keeps it. `--debug_inject` shows
+the policy at work.
 """
 
 from __future__ import annotations
@@ -79,7 +78,7 @@ class AnomalyDetector:
 
     def limits(self) -> tuple[float, float]:
         """(loss limit, grad-norm limit) for the next step: rules 2 and 3 flag a value above them
-        (inf: not enough history yet). The device applies the same numbers (AnomalyGuard.refusal)."""
+        (inf: not enough history yet)."""
         loss_limit = grad_limit = math.inf
         if len(self.losses) >= self.min_history:
             mean = statistics.fmean(self.losses)
@@ -168,20 +167,9 @@ class AnomalyGuard:
         self.rollbacks, self.lr_scale = 0, 1.0
         self.skip_windows: set[tuple[int, int]] = set()  # (epoch, cursor at the window's start)
 
-    def verdict(self, step: int, loss: float, grad_norm: float, gradients_finite_expected: bool,
-                device_refused: bool | None = None) -> tuple[str, str]:
+    def verdict(self, step: int, loss: float, grad_norm: float, gradients_finite_expected: bool) -> tuple[str, str]:
         """(action, reason). `gradients_finite_expected` is False under fp16 GradScaler, where an
-        inf gradient is routine (the scaler skips that step and lowers its scale by itself).
-        `device_refused`: what `refusal` decided on the device for this step, checked against this."""
-        action, reason = self._verdict(step, loss, grad_norm, gradients_finite_expected)
-        refused = action != "apply" and not reason.startswith("plateau")  # a plateau is the host's alone
-        if device_refused is not None and device_refused != refused:
-            raise RuntimeError(f"step {step}: the device {'refused' if device_refused else 'applied'} the update, "
-                               f"but the guard says {action!r} ({reason or 'no anomaly'}); loss {loss!r}, "
-                               f"grad norm {grad_norm!r}. The two rules must agree: please report this.")
-        return action, reason
-
-    def _verdict(self, step: int, loss: float, grad_norm: float, gradients_finite_expected: bool) -> tuple[str, str]:
+        inf gradient is routine (the scaler skips that step and lowers its scale by itself)."""
         if not gradients_finite_expected and math.isfinite(loss) and not math.isfinite(grad_norm):
             return "apply", ""
         reason = self.detector.check(step, loss, grad_norm)
@@ -195,17 +183,6 @@ class AnomalyGuard:
         if self.policy == "rollback" and self.rollbacks >= self.max_rollbacks:
             return "stop", f"{reason}; giving up after {self.rollbacks} rollbacks (--max_rollbacks)"
         return self.policy, reason  # "stop" or "rollback"
-
-    def refusal(self, loss: torch.Tensor, grad_norm: torch.Tensor, gradients_finite_expected: bool) -> torch.Tensor:
-        """1.0 where `verdict` will not say "apply" (a plateau aside), else 0.0: computed on the device
-        from device tensors, so the optimizer can skip the step without the host waiting for it."""
-        loss_limit, grad_limit = self.detector.limits()  # from the steps judged so far, as verdict uses
-        refuse = ~torch.isfinite(loss)
-        if gradients_finite_expected:  # under fp16 an inf gradient is the scaler's to skip
-            refuse |= ~torch.isfinite(grad_norm)
-        if self.policy != "warn":  # warn applies a spike or an explosion and only reports it
-            refuse |= (loss > loss_limit) | (torch.isfinite(grad_norm) & (grad_norm > grad_limit))
-        return refuse.float()
 
     def plan_rollback(self, epoch: int, window_start: int) -> None:
         self.rollbacks += 1

@@ -4,9 +4,9 @@ A step takes milliseconds on a GPU, a checkpoint write seconds. So a save is spl
 CPU buffers allocated at the first save and reused, pinned on CUDA for full PCIe speed), then the
 write (a thread runs the same function as a synchronous save, so the format and checkpoint_io's
 kill -9 guarantees are one piece of code). On CUDA the copy does not stop the host either: it runs on
-a side stream from the point the loop marks with `state_ready()` (after each step's optimizer step,
-or a rollback's reload), in parallel with the next step's forward and backward, and the GPU makes the
-next optimizer step wait for it (an event, on the device) so no weight changes under the copy.
+a side stream from the point the save is called (right after the step it saves), in parallel with the
+next step's forward and backward, and the GPU makes the next optimizer step wait for it (an event, on
+the device, through a step pre-hook on the optimizer) so no weight changes under the copy.
 At most one save is in flight: the next save and every exit path wait for it. A failed write is kept
 and re-raised by `wait()`; the loop checks `failed` at every step so all ranks stop together. A run that
 lost its directory lock to another run (run_lock.py) fails the same way, with LockLost: it may save no more.
@@ -30,22 +30,20 @@ class BackgroundSaver:
     write the FP16 out/ file), `hf_tokenizer` (export an HF folder with this tokenizer at every save)."""
 
     def __init__(self, background: bool, pin_memory: bool, keep_last: int = 2, gather_weights: bool = True,
-                 hf_tokenizer: str | None = None):
+                 hf_tokenizer: str | None = None, optimizer: torch.optim.Optimizer | None = None):
         self.background, self.pin_memory = background, pin_memory
         self.keep_last, self.gather_weights, self.hf_tokenizer = keep_last, gather_weights, hf_tokenizer
         self.buffers: dict[str, torch.Tensor] = {}
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.copy_stream = torch.cuda.Stream() if pin_memory else None  # the side stream of the copies
-        self.ready: torch.cuda.Event | None = None  # where the state to save is complete on the main stream
         self.copied: torch.cuda.Event | None = None
+        if self.copy_stream is not None and optimizer is not None:
+            optimizer.register_step_pre_hook(self._update_waits_for_copies)
 
-    def state_ready(self) -> None:
-        """Mark this point of the GPU's work (after a step, with everything queued before it, such as a
-        rollback's reload) as the state a save copies."""
-        if self.copy_stream is not None:
-            self.ready = torch.cuda.Event()
-            self.ready.record()
+    def _update_waits_for_copies(self, optimizer, args, kwargs) -> None:
+        if self.copied is not None:  # the GPU waits, not the host; a copy long done costs nothing
+            torch.cuda.current_stream().wait_event(self.copied)
 
     @property
     def failed(self) -> bool:
@@ -113,13 +111,11 @@ class BackgroundSaver:
 
         if self.copy_stream is None:  # CPU tensors: plain copies, done when copy() returns
             return copy(state, "")
-        main = torch.cuda.current_stream()
-        self.copy_stream.wait_event(self.ready) if self.ready is not None else self.copy_stream.wait_stream(main)
+        self.copy_stream.wait_stream(torch.cuda.current_stream())  # the state as the work queued so far leaves it
         with torch.cuda.stream(self.copy_stream):
             snapshot = copy(state, "")
         self.copied = torch.cuda.Event()
-        self.copied.record(self.copy_stream)
-        main.wait_event(self.copied)  # the next optimizer step waits for the copies, on the GPU, not the host
+        self.copied.record(self.copy_stream)  # the next optimizer step waits for it (_update_waits_for_copies)
         return snapshot
 
     def _buffer(self, path: str, like: torch.Tensor) -> torch.Tensor:

@@ -46,8 +46,5 @@ def add_operator_flags(parser: argparse.ArgumentParser) -> None:
     a("--compile_backend", default="inductor",
       help="torch.compile's backend with --use_compile 1; aot_eager traces the same graphs without generating "
            "kernels (to tell a compiler fault from a model fault; the tests use it for speed)")
-    a("--judge_before_step", type=int, default=0, choices=(0, 1),
-      help="1: wait for each step's numbers and judge it before its optimizer step (the reference timing that "
-           "the deferred verdict is tested against; one host sync per step)")
     a("--debug_inject", default=None,
       help="try the anomaly policy on purpose: nan:K or spike:K makes step K's loss NaN or 1e4x (comma-separated)")

@@ -1,5 +1,6 @@
 """How a run stops on a signal: SIGTERM (a preemptible machine going away) and Ctrl-C only set a flag;
-the loop finishes the optimizer step it is in, saves, and exits 0 with `continue_command`'s line.
+the loop finishes the optimizer step it is in, saves, and exits 0 with `continue_command`'s line. The
+ranks agree on that step by a vote after every step (`StopRequest.agreed`), on the host.
 Any later signal changes nothing (see `StopRequest`): the stop-save completes on every rank, its DataLoader
 workers included (`loader_worker_ignores_stops`)."""
 
@@ -11,6 +12,9 @@ import signal
 import sys
 import threading
 import time
+
+import torch
+import torch.distributed as dist
 
 
 class StopRequest:
@@ -32,6 +36,21 @@ class StopRequest:
         self._pid = os.getpid()  # DataLoader workers forked later inherit this handler; they stay silent
         signal.signal(signal.SIGTERM, self._request)
         signal.signal(signal.SIGINT, self._request)
+        # The vote goes over gloo, between the hosts: an NCCL collective would be read back from the GPU,
+        # a wait for the device at every step. (Every rank creates the group here, at the same point.)
+        self._vote_group = None
+        if dist.is_initialized() and dist.get_backend() != "gloo":
+            self._vote_group = dist.new_group(backend="gloo")
+
+    def agreed(self, save_failed: bool) -> tuple[bool, bool]:
+        """(a stop was requested, a save failed) on any rank. Every rank calls it after every step: one
+        all-reduce of two numbers between the hosts, so all ranks stop after the same step, and no rank
+        waits for its device."""
+        flags = torch.tensor([self.signal is not None, save_failed], dtype=torch.int32)
+        if dist.is_initialized():
+            dist.all_reduce(flags, group=self._vote_group)
+        stop, failed = flags.tolist()
+        return stop > 0, failed > 0
 
     def _request(self, signum, frame) -> None:
         name, now = signal.Signals(signum).name, time.monotonic()

@@ -1,7 +1,8 @@
 """Where a run's numbers go (console, metrics/status files, wandb, SwanLab, the debug trace), and the
 validation loss.
 
-The loop calls one object, `Tracker`: `step` after every optimizer step, `log` at log steps, and
+The loop calls one object, `Tracker`: `step` for every optimizer step (when the steps since the last
+wait are judged: step_judge.py), `log` at log steps, and
 `validation`, `anomaly`, `rollback`, `saved`, `finish` when those happen. Rank 0 fans each call out to
 the --logger backends; every rank writes its own lines of the --save_debug_train_output trace (a run
 with --from_resume 1 first cuts it back to the step it starts from, as the metrics file is; a fresh run
@@ -222,13 +223,17 @@ class Tracker:
             self.heartbeat.join(timeout=2 * HEARTBEAT_S)  # a beat mid-write finishes; a hung disk is not waited on
             self.heartbeat = None
 
+    def first_step(self, step: int) -> None:
+        """The first optimizer step of this invocation is taken: the first sign of life a slow machine's user gets."""
+        if self.is_main:
+            print(f"first step done after {time.perf_counter() - self.started:.1f} s (step {step}; "
+                  f"a log line every {self.log_interval} steps)", flush=True)
+
     def step(self, record: dict, tokens: int) -> None:
-        """After every optimizer step, on every rank: the trace line, and the tokens for tokens/s."""
+        """Every optimizer step, judged (at the next log line or save), on every rank: the trace line, and the
+        tokens (of all ranks) for tokens/s."""
         if self.trace is not None and lock_lost() is None:  # once another run holds the directory, its trace too
             os.write(self.trace, (json.dumps(record) + "\n").encode("utf-8"))
-        if self.is_main and self.steps_done == 0:  # the first sign of life a slow machine's user gets
-            print(f"first step done after {time.perf_counter() - self.started:.1f} s (step {record['step']}; "
-                  f"a log line every {self.log_interval} steps)", flush=True)
         self.last_finished = (record["step"], time.time())
         self.current_step, self.steps_done, self.tokens = record["step"], self.steps_done + 1, self.tokens + tokens
 

@@ -1,0 +1,123 @@
+"""How often the host waits for the device changes nothing but when it waits.
+
+The loop reads its steps' numbers only at a log line, a validation, a save and the run's last step
+(trainer/hardening/step_judge.py); a non-finite step is skipped on the device before anyone looks. So the
+same run with --log_interval 1 (the host waits after every step) and with --log_interval 5 (it waits at
+every 5th step and at the saves of every 4th) must end in the same state, bit for bit: weights, AdamW
+moments, every rank's RNG, the data position and the guard's memory; with the same trace, the same
+events and the same exit code. Under NaN and spike schedules for each policy, and a stop by a signal.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import torch
+
+from conftest import (FAULT_INJECTION_DIR, TINY_MODEL, assert_states_equal, child_env, events_of, launch_command,
+                      resume_file, run_args, status_of, trace_of)
+from trainer.trainer_utils import optimizer_step
+
+# (policy flags, world size, extra environment): 14 of the 19 steps; every schedule has fired by then.
+CASES = {
+    "nan under warn": (("--on_anomaly", "warn", "--debug_inject", "nan:3,spike:9"), None, {}),
+    "spike and nan under rollback": (("--on_anomaly", "rollback", "--debug_inject", "spike:10,nan:13"), None, {}),
+    "spike under stop": (("--on_anomaly", "stop", "--debug_inject", "spike:7"), None, {}),
+    # rank 1 alone gets SIGTERM once step 6 is taken: both ranks save step 6 and stop
+    "signal stop on one of two ranks": ((), 2, {"PYTHONPATH": FAULT_INJECTION_DIR, "FAULT_SIGNAL_AT_STEP": 6,
+                                               "FAULT_SIGNAL_RANK": 1}),
+}
+STATE = ("model", "optimizer", "rng", "epoch", "samples_consumed", "global_step", "anomaly")
+
+
+def per_rank(trace: list[dict]) -> dict[int, list[dict]]:
+    """Each rank's records in its own order (two ranks append to one file, interleaved as it happens)."""
+    return {rank: [r for r in trace if r["rank"] == rank] for rank in sorted({r["rank"] for r in trace})}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_waiting_after_every_step_or_every_fifth_ends_in_the_same_state(tmp_path, pretrain_data, case):
+    flags, nproc, env = CASES[case]
+    jobs, runs, outputs = {}, {}, {}
+    for interval in ("1", "5"):  # two independent runs, side by side on two cores
+        run_dir = tmp_path / f"log_every_{interval}"
+        args = run_args(run_dir, pretrain_data, "--batch_size", "2", "--epochs", "1", "--max_steps", "14",
+                        "--save_interval", "4", *flags, "--log_interval", interval)
+        jobs[interval] = subprocess.Popen(launch_command("train_pretrain.py", nproc, [*TINY_MODEL, *args]),
+                                          cwd=tmp_path, env=child_env(**env), stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT)
+    for interval, job in jobs.items():
+        outputs[interval] = job.communicate(timeout=300)[0].decode(errors="replace")[-3000:]
+        run_dir = tmp_path / f"log_every_{interval}"
+        runs[interval] = (job.returncode, per_rank(trace_of(run_dir)), events_of(run_dir), resume_file(run_dir),
+                          status_of(run_dir))
+    (code_1, trace_1, events_1, final_1, status_1), (code_5, trace_5, events_5, final_5, status_5) = runs["1"], runs["5"]
+    assert code_1 == code_5 == (3 if case == "spike under stop" else 0), outputs
+    assert events_1 == events_5 and trace_1 == trace_5
+    assert status_1["anomaly_reason"] == status_5["anomaly_reason"]
+    assert_states_equal(final_1, final_5, fields=STATE)
+    kinds = [kind for kind, _ in events_1]
+    if case == "nan under warn":
+        assert kinds == ["anomaly", "anomaly"] and final_1["global_step"] == 14
+        [skipped] = [r for r in trace_1[0] if r["step"] == 3]
+        assert skipped["skipped"] is True and skipped["samples"] == []
+    elif case == "spike and nan under rollback":
+        assert kinds == ["anomaly", "rollback", "anomaly", "rollback"], events_1
+    elif case == "spike under stop":  # the spike was applied, and judged before the save of step 8
+        assert kinds == ["anomaly"] and final_1["global_step"] == 4 and max(r["step"] for r in trace_1[0]) == 6
+        assert not (tmp_path / "log_every_5" / "ckpt" / "pretrain_32_history" / "step_00000008.pth").exists()
+    else:  # both ranks stopped after step 6 and saved it, whatever the log interval
+        assert final_1["global_step"] == 6 and len(final_1["rng"]) == 2, outputs
+        assert [max(r["step"] for r in records) for records in trace_5.values()] == [6, 6]
+        assert "stopped at step 6 (" in outputs["5"] and status_5["status"] == "stopped", outputs["5"]
+
+
+def fresh_optimizer(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.01, fused=True)
+
+
+def take_step(model, optimizer, gradient_scale: float = 1.0, skip: bool = False) -> None:
+    (model(torch.ones(2, 4)).sum() * gradient_scale).backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer_step(optimizer, torch.amp.GradScaler("cpu", enabled=False), grad_norm, skip=skip)
+    optimizer.zero_grad(set_to_none=True)
+
+
+def state_of(model, optimizer) -> tuple:
+    return ({k: v.clone() for k, v in model.state_dict().items()},
+            [{k: v.clone() for k, v in s.items()} for s in optimizer.state.values()])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_step_with_a_non_finite_gradient_leaves_weights_moments_and_step_count_untouched(bad):
+    model, optimizer = fresh_optimizer()
+    take_step(model, optimizer)
+    before = state_of(model, optimizer)
+    take_step(model, optimizer, gradient_scale=bad)
+    after = state_of(model, optimizer)
+    assert all(torch.equal(v, before[0][k]) for k, v in after[0].items())
+    assert all(torch.equal(v, old[k]) for new, old in zip(after[1], before[1]) for k, v in new.items())
+    take_step(model, optimizer)  # and the next step is an ordinary one: as if the bad one never happened
+    twin, twin_optimizer = fresh_optimizer()
+    take_step(twin, twin_optimizer)
+    take_step(twin, twin_optimizer)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), twin.state_dict().values()))
+
+
+def test_a_window_stepped_over_is_not_applied_and_a_finite_step_is():
+    model, optimizer = fresh_optimizer()
+    before = state_of(model, optimizer)
+    take_step(model, optimizer, skip=True)
+    assert all(torch.equal(v, before[0][k]) for k, v in model.state_dict().items()) and not optimizer.state
+    take_step(model, optimizer)
+    assert not torch.equal(model.weight, before[0]["weight"])
+
+
+def test_an_optimizer_that_cannot_skip_on_the_device_is_refused():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="fused=True"):
+        optimizer_step(torch.optim.AdamW(model.parameters(), fused=False), torch.amp.GradScaler("cpu", enabled=False),
+                       torch.tensor(1.0))
