@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA path end to end on one GPU: pretrain and SFT with `python` and `torchrun --nproc_per_node 1`,
 # in bf16, fp16 (GradScaler), eager and compiled (the default on CUDA), a resume, the anomaly policy
-# with the deferred verdict and side-stream saves, --parallel fsdp, then the speed targets' benchmark.
+# judged at the log intervals, side-stream saves, --parallel fsdp, then the speed targets' benchmark.
 #   bash benchmarks/gpu_proof.sh runs OUT_DIR     # training runs only (a few minutes)
 #   bash benchmarks/gpu_proof.sh bench OUT_DIR    # benchmarks only
 set -euo pipefail

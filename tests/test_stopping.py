@@ -44,7 +44,9 @@ def test_sigterm_to_torchrun_and_workers_twice_is_one_stop_whose_save_completes_
     job = start_recorded_job(tmp_path, args, slowed_env(step_delay_s=0.2, save_delay_s=4.0))
     files = RunFiles(tmp_path / "ckpt", "pretrain_32")
     trace = tmp_path / "trace.jsonl"
-    wait_until(lambda: trace.exists() and len(read_trace(trace)) >= 6, job)  # 3 steps on 2 ranks
+    rank0_log = tmp_path / "rank0.log"  # (the trace is written at log lines and saves: none before the stop)
+    wait_until(lambda: rank0_log.exists() and "first step done" in rank0_log.read_text(), job)
+    time.sleep(0.4)  # two more steps of 0.2 s
     workers = [pid for recorder in child_pids(job.pid) for pid in child_pids(recorder)]
     assert len(workers) == 2, "expected one worker under each of the two recorders"
     assert all(len(child_pids(pid)) == 1 for pid in workers), "expected a DataLoader worker under each rank"
@@ -95,7 +97,7 @@ def test_ctrl_c_twice_in_a_terminal_stops_once_and_names_the_process_to_kill(tmp
     # A terminal's Ctrl-C reaches the whole foreground group: the trainer and its DataLoader worker, which
     # inherits the handler when it is forked and must stay silent.
     model = with_loader_workers(1)
-    args = run_args(tmp_path, pretrain_data, "--batch_size", "1", "--epochs", "1", "--log_interval", "1000")
+    args = run_args(tmp_path, pretrain_data, "--batch_size", "1", "--epochs", "1")  # a trace line at every step
     job = subprocess.Popen([sys.executable, str(REPO / "trainer" / "train_pretrain.py"), *model, *args], cwd=tmp_path,
                            env=slowed_env(step_delay_s=0.2, save_delay_s=3.0), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
