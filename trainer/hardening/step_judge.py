@@ -70,6 +70,7 @@ class StepJudge:
         self.steps_run = 0  # optimizer steps of this invocation, less those rolled back (--max_steps)
         self.next_step = start_step + 1  # the step the device computes next (--debug_inject reads it)
         self.stopped = False  # the step taken last was this invocation's last (a stop, or --max_steps)
+        self.first_taken = False
         self.metrics: dict | None = None  # the log line of the newest step judged
 
     def step_in_progress(self) -> int:
@@ -97,7 +98,8 @@ class StepJudge:
         numbers = torch.stack([loss_sum, local_tokens, global_tokens, grad_norm.detach().double()])
         self.pending.append((step, numbers, stepped_over))
         self.steps_run, self.next_step = self.steps_run + 1, step.number + 1
-        if self.steps_run == 1:  # the first sign of life a slow machine's user gets
+        if not self.first_taken:  # the first sign of life a slow machine's user gets
+            self.first_taken = True
             self.tracker.first_step(step.number)
 
     def last_step(self, max_steps: int | None) -> bool:
