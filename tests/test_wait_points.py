@@ -52,7 +52,8 @@ def test_waiting_after_every_step_or_every_fifth_ends_in_the_same_state(tmp_path
         run_dir = tmp_path / f"log_every_{interval}"
         runs[interval] = (job.returncode, per_rank(trace_of(run_dir)), events_of(run_dir), resume_file(run_dir),
                           status_of(run_dir))
-    (code_1, trace_1, events_1, final_1, status_1), (code_5, trace_5, events_5, final_5, status_5) = runs["1"], runs["5"]
+    code_1, trace_1, events_1, final_1, status_1 = runs["1"]
+    code_5, trace_5, events_5, final_5, status_5 = runs["5"]
     assert code_1 == code_5 == (3 if case == "spike under stop" else 0), outputs
     assert events_1 == events_5 and trace_1 == trace_5
     assert status_1["anomaly_reason"] == status_5["anomaly_reason"]
