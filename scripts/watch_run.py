@@ -4,8 +4,8 @@ It reads only the two files `MetricsFileWriter` leaves (`{run}_status.json`, `{r
 their fields are described in trainer/hardening/metrics_files.py), so it needs no access to the training
 process and works wherever the files are visible:
 
-    python scripts/watch_run.py out                         # the only run in out/ (the default --metrics_dir)
-    python scripts/watch_run.py out --run_name pretrain_512 --interval 5
+    python scripts/watch_run.py out                         # the newest run in out/ (the default --metrics_dir)
+    python scripts/watch_run.py out --run_name pretrain_128 --interval 5   # one run by name
     python scripts/watch_run.py out --once                  # print once and exit
     ssh gpu-box "python tiny-llm/scripts/watch_run.py tiny-llm/out --once"
 
@@ -21,6 +21,9 @@ trainer, and the time of its last finished step. From the two the watcher tells
 
 It never suggests a restart while the lock says the trainer may still be alive: two trainers on one
 checkpoint directory would overwrite each other's saves.
+
+Without --run_name, a directory holding several runs (after the demo, out/ holds pretrain_128 and
+full_sft_128) shows the run whose status file was written last, and one line names the others.
 """
 
 from __future__ import annotations
@@ -197,36 +200,48 @@ def no_heartbeat(status: dict, now: float) -> list[str]:
             f"the first one's saves."]
 
 
-def choose_run(metrics_dir: Path, run_name: str | None) -> str:
-    """The run to watch; exits with a message saying what to pass when that is not clear."""
+def choose_run(metrics_dir: Path, run_name: str | None) -> tuple[str, list[str]]:
+    """The run to watch, and the other runs it was chosen among; exits with a message when there is none.
+
+    Without `run_name` it is the run whose status file was written last: a running job rewrites its
+    own at every heartbeat, so that is the run in progress when there is one (a job killed without
+    a word leaves "running" in its file, so the status field alone would pick a dead run), else the
+    one that ended last, as the SFT after the demo's pretraining.
+    """
     runs = list_runs(metrics_dir)
     if run_name is not None:
         if run_name not in runs:
             available = ", ".join(runs) if runs else "none"
             sys.exit(f"error: no {status_path(metrics_dir, run_name).name} in {metrics_dir} "
                      f"(runs there: {available})")
-        return run_name
+        return run_name, []
     if not runs:
         sys.exit(f"error: no *_status.json in {metrics_dir}. Is this the metrics directory of a run, "
                  f"and has the run started?")
-    if len(runs) > 1:
-        print(f"error: {metrics_dir} holds {len(runs)} runs: {', '.join(runs)}\n"
-              f"choose one with --run_name, e.g. --run_name {runs[0]}", file=sys.stderr)
-        sys.exit(2)
-    return runs[0]
+    newest = max(runs, key=lambda name: (status_path(metrics_dir, name).stat().st_mtime_ns, name))
+    return newest, [name for name in runs if name != newest]
+
+
+def others_line(metrics_dir: Path, chosen: str, others: list[str]) -> str:
+    """The line above the summary when the watcher chose among several runs: which, and how to pick another."""
+    return (f"{metrics_dir} holds {len(others) + 1} runs; showing the newest, {chosen}. Also there: "
+            f"{', '.join(others)} (pick one with --run_name NAME)")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Summarise a training run from its metrics directory.")
     parser.add_argument("metrics_dir", type=Path)
-    parser.add_argument("--run_name", default=None, help="needed when the directory holds several runs")
+    parser.add_argument("--run_name", default=None,
+                        help="the run to watch (default: the one whose status file was written last)")
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
     parser.add_argument("--once", action="store_true", help="print the summary once and exit")
     args = parser.parse_args(argv)
     if not args.metrics_dir.is_dir():
         sys.exit(f"error: {args.metrics_dir} is not a directory")
 
-    name = choose_run(args.metrics_dir, args.run_name)
+    name, others = choose_run(args.metrics_dir, args.run_name)
+    # On every screen: a refresh clears the one before.
+    note = others_line(args.metrics_dir, name, others) + "\n" if others else ""
     try:
         while True:
             try:
@@ -234,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as error:  # not this trainer's status file: say which file and what is missing
                 print(f"error: {error}", file=sys.stderr)
                 return 1
-            summary = render_summary(status, read_metrics(metrics_path(args.metrics_dir, name)))
+            summary = note + render_summary(status, read_metrics(metrics_path(args.metrics_dir, name)))
             print(summary if args.once else CLEAR_SCREEN + summary, flush=True)
             if args.once or status["status"] != "running":
                 return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -101,14 +102,23 @@ def test_watch_refuses_a_status_file_without_the_spec_fields(tmp_path):
     assert "old_status.json: not a status file of this trainer, missing job_id, status" in result.stderr
 
 
-def test_watch_without_run_name_lists_the_runs_and_exits_2(tmp_path):
-    write_run(tmp_path, "pretrain_32")
-    write_run(tmp_path, "full_sft_32")
+def test_watch_without_run_name_shows_the_newest_run_and_names_the_others(tmp_path):
+    # The demo's out/: pretraining, then SFT; a third run whose status file was written first.
+    for name, written_at in (("full_sft_32", 3_000), ("pretrain_32", 2_000), ("old_64", 1_000)):
+        write_run(tmp_path, name)
+        os.utime(tmp_path / f"{name}_status.json", (written_at, written_at))
     result = run_script("scripts.watch_run", str(tmp_path), "--once")
-    assert result.returncode == 2
-    assert "full_sft_32" in result.stderr and "pretrain_32" in result.stderr and "--run_name" in result.stderr
-    chosen = run_script("scripts.watch_run", str(tmp_path), "--once", "--run_name", "full_sft_32")
-    assert chosen.returncode == 0 and "full_sft_32" in chosen.stdout
+    assert result.returncode == 0, result.stderr
+    first, rest = result.stdout.split("\n", 1)
+    assert first == (f"{tmp_path} holds 3 runs; showing the newest, full_sft_32. Also there: old_64, pretrain_32 "
+                     f"(pick one with --run_name NAME)")
+    assert rest.startswith("run full_sft_32: running")
+    os.utime(tmp_path / "pretrain_32_status.json", (4_000, 4_000))  # as a heartbeat of a resumed pretraining would
+    assert "run pretrain_32: running" in run_script("scripts.watch_run", str(tmp_path), "--once").stdout
+    chosen = run_script("scripts.watch_run", str(tmp_path), "--once", "--run_name", "old_64")
+    assert chosen.returncode == 0 and chosen.stdout.startswith("run old_64: running")  # no line about the others
+    missing = run_script("scripts.watch_run", str(tmp_path), "--once", "--run_name", "sft")
+    assert missing.returncode == 1 and "runs there: full_sft_32, old_64, pretrain_32" in missing.stderr
 
 
 def test_watch_on_a_directory_without_runs_says_so(tmp_path):
