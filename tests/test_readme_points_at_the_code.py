@@ -1,5 +1,6 @@
-"""The tour and the exercises of README.md and README_zh.md point at files, tests, functions and sections
-that exist where they say: a renamed function or a moved file fails here, not in a learner's evening."""
+"""The READMEs and the design pages under docs/ point at files, tests, functions and sections that exist
+where they say, and every link leads somewhere: a renamed function or a moved file fails here, not in a
+learner's evening."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from conftest import REPO
 
 READMES = ("README.md", "README_zh.md")
+PAGES = (*READMES, *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").rglob("*.md")))
 FOLDERS = ("model", "dataset", "trainer", "scripts", "benchmarks", "tests", "docs")
 
 
@@ -39,7 +41,7 @@ def defined_names() -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("readme", READMES)
+@pytest.mark.parametrize("readme", PAGES)
 def test_every_file_and_test_the_readme_names_exists(readme):
     text = (REPO / readme).read_text(encoding="utf-8")
     missing = []
@@ -73,3 +75,18 @@ def test_the_sections_the_readme_counts_are_the_scripts_sections():
     sections = re.findall(r"# ---- (\d+)\. ", text)
     assert "sections\n   1–9" in tour("README.md") and "第 1–9 节" in tour("README_zh.md")
     assert sections == [str(i) for i in range(1, 10)], sections
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_link_of_the_page_leads_to_a_file(page):
+    text = (REPO / page).read_text(encoding="utf-8")
+    targets = [t for t in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"[a-z]+:", t)]
+    broken = [t for t in targets if not ((REPO / page).parent / t.split("#")[0]).exists()]
+    assert targets and not broken, f"{page} links to what does not exist: {broken}"
+
+
+@pytest.mark.parametrize("readme, folder", [("README.md", "docs"), ("README_zh.md", "docs/zh")])
+def test_every_design_page_is_linked_from_its_readme(readme, folder):
+    text = (REPO / readme).read_text(encoding="utf-8")
+    pages = sorted(p.relative_to(REPO).as_posix() for p in (REPO / folder).glob("*.md"))
+    assert len(pages) >= 8 and all(f"]({page})" in text for page in pages), pages
