@@ -223,7 +223,7 @@ def phase_at_kill(files: RunFiles, out_dir: Path, since: float, trained: bool) -
     return "training" if trained else "starting (no step trained yet)"
 
 
-RESUMED = re.compile(r"resumed from (\S+): .*global step (\d+)")
+RESUMED = re.compile(r"resumed from (\S+) saved at step (\d+):")  # resume_checks.resume_summary's line
 
 
 def how_it_resumed(log_text: str) -> tuple[str, bool]:

@@ -72,6 +72,9 @@ def test_a_minimind_resume_file_restores_weights_optimizer_and_position_and_says
     result = train("train_pretrain.py", None, job_args(brought, pretrain_data, "--max_steps", "1", "--from_resume",
                                                           "1"), tmp_path)
     assert "is a minimind resume file" in result.stdout and "Not restored: the exact sample cursor" in result.stdout
+    # Its step counted in this run's global batch: 12 samples at 2 a step.
+    assert ("saved at step 6: training continues from sample 12 of epoch 1 (world size 2 -> 1; the count only: "
+            "minimind's order differs, RNG reseeded)" in result.stdout)
     resumed = torch.load(RunFiles(brought / "ckpt", RUN).resume_link, map_location="cpu", weights_only=True)
     # 3 micro-batches x batch 2 x 2 ranks = 12 samples consumed, then one step of 2.
     assert resumed["epoch"] == 0 and resumed["samples_consumed"] == 14

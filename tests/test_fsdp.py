@@ -113,9 +113,11 @@ def test_checkpoints_reshard_two_three_one_and_switch_between_ddp_and_fsdp_exact
 
     # FSDP 2 -> 3 -> 1 ranks.
     on_three = train("train_pretrain.py", 3, [*common, "--max_steps", "5", "--from_resume", "1"], tmp_path)
-    assert "world size 2 -> 3: epoch step 5 -> 4, resuming at sample 20 of epoch 1 (exact;" in on_three.stdout
+    assert ("saved at step 5: training continues from sample 20 of epoch 1 (world size 2 -> 3, global batch 4 -> 6: "
+            "the steps left are counted in the new global batch; exact," in on_three.stdout)
     on_one = train("train_pretrain.py", 1, [*common, "--from_resume", "1"], tmp_path)
-    assert "world size 3 -> 1: epoch step 2 -> 6, resuming at sample 12 of epoch 2 (exact;" in on_one.stdout
+    assert ("saved at step 10: training continues from sample 12 of epoch 2 (world size 3 -> 1, global batch 6 -> 2: "
+            "the steps left are counted in the new global batch; exact," in on_one.stdout)
     trace = trace_of(tmp_path)
     sizes = {r["step"]: r["world_size"] for r in trace}
     assert sizes == {s: 2 if s <= 5 else 3 if s <= 10 else 1 for s in range(1, 24)}
@@ -136,7 +138,8 @@ def test_checkpoints_reshard_two_three_one_and_switch_between_ddp_and_fsdp_exact
     (tmp_path / "to_ddp" / "trace.jsonl").write_text("".join(
         json.dumps(r) + "\n" for r in trace if r["step"] <= 5))  # the trace of the steps it resumes after
     resumed = train("train_pretrain.py", 3, [*to_ddp, "--from_resume", "1"], tmp_path)
-    assert "step_00000005.dcp: world size 2 -> 3" in resumed.stdout
+    assert "step_00000005.dcp saved at step 5: training continues from sample 20 of epoch 1 (world size 2 -> 3," in (
+        resumed.stdout)
     assert_each_sample_once(trace_of(tmp_path / "to_ddp"), num_samples=37, epochs=2)
     assert resume_file(tmp_path / "to_ddp")["global_step"] == 5 + 3 + 7  # 17 left in epoch 1, 37 in 2: steps of 6
     assert (tmp_path / "to_ddp" / "out" / f"{PRETRAIN_RUN}.pth").is_file()

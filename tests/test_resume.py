@@ -19,6 +19,7 @@ import torch
 from conftest import (assert_each_sample_once, assert_states_equal, child_pids, events_of, history_file,
                       launch_command, read_trace, resume_file, run_args, slowed_env, status_of, trace_of, train,
                       with_loader_workers)
+from benchmarks.soak_kill import how_it_resumed
 from model.model import CausalLM, LMConfig
 
 
@@ -93,13 +94,17 @@ def test_resume_on_two_then_three_then_one_rank_trains_each_sample_once(tmp_path
     first = resume_file(tmp_path)
     assert (first["world_size"], first["epoch"], first["samples_consumed"]) == (2, 0, 20)  # 5 steps x 4
     on_three = train("train_pretrain.py", 3, [*common, "--max_steps", "5", "--from_resume", "1"], tmp_path)
-    # The step label follows the cursor: 7 - ceil(17 / 6) = 4 steps of 6 reach sample 20 (5 steps of 4 did).
-    assert "world size 2 -> 3: epoch step 5 -> 4, resuming at sample 20 of epoch 1 (exact;" in on_three.stdout
+    # One step numbering: the checkpoint's global step, then the data position and what changed.
+    assert ("saved at step 5: training continues from sample 20 of epoch 1 (world size 2 -> 3, global batch 4 -> 6: "
+            "the steps left are counted in the new global batch; exact, RNG reseeded for the new world size)"
+            in on_three.stdout)
+    assert how_it_resumed(on_three.stdout) == ("step 5", False)  # what the soak reads from the line
     second = resume_file(tmp_path)
     # From sample 20: 17 left in epoch 0 (steps of 6, 6, 5), then 2 steps of 6 into epoch 1.
     assert (second["world_size"], second["epoch"], second["samples_consumed"]) == (3, 1, 12)
     on_one = train("train_pretrain.py", None, [*common, "--from_resume", "1"], tmp_path)
-    assert "world size 3 -> 1: epoch step 2 -> 6, resuming at sample 12 of epoch 2 (exact;" in on_one.stdout
+    assert ("saved at step 10: training continues from sample 12 of epoch 2 (world size 3 -> 1, global batch 6 -> 2: "
+            "the steps left are counted in the new global batch; exact," in on_one.stdout)
 
     trace = trace_of(tmp_path)
     sizes = world_size_by_step(trace)

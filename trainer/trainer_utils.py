@@ -454,11 +454,11 @@ def _load_checkpoint(files: checkpoint_io.RunFiles, lm_config: LMConfig, run: Ru
     # tail: `samples_consumed // global_batch` when it divides. minimind rescales its step instead,
     # `step * old_ws // new_ws`; its step counts micro-batches, so that is the same number only with
     # --accumulation_steps 1 (and the division exact). With accumulation it lands elsewhere in the data.
-    old_step, state["step"] = state["step"], step_in_epoch(run.num_samples, state["samples_consumed"], run.global_batch)
+    state["step"] = step_in_epoch(run.num_samples, state["samples_consumed"], run.global_batch)
     if state["global_step"] is None:  # minimind's file does not count the steps of earlier epochs
         steps_per_epoch = step_in_epoch(run.num_samples, run.num_samples, run.global_batch)
         state["global_step"] = state["epoch"] * steps_per_epoch + state["step"]
-    log(resume_checks.resume_summary(state, old_step, run.settings["world_size"]))
+    log(resume_checks.resume_summary(state, run.settings["world_size"], run.global_batch))
     return state
 
 

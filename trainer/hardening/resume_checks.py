@@ -134,13 +134,21 @@ def from_minimind_layout(raw: dict, lm_config, fingerprint: dict, train_args: di
     }
 
 
-def resume_summary(state: dict, old_step: int, world_size: int) -> str:
-    """The log line of a resume: where it continues, and what changed with the world size."""
+def resume_summary(state: dict, world_size: int, global_batch: int) -> str:
+    """The log line of a resume, counted in global steps as every log line, the metrics file and the trackers
+    are: the step the checkpoint was saved at (the next one trained is that + 1), the sample it continues
+    from, and what changed with the world size."""
     old_ws, minimind = state["world_size"], state.get("from_minimind", False)
-    change = f"world size {old_ws} -> {world_size}: " if old_ws != world_size else ""
+    changes = [f"world size {old_ws} -> {world_size}"] if old_ws != world_size else []
+    if not minimind:  # minimind's file does not record its batch geometry
+        old = state["train_args"]
+        old_batch = old["batch_size"] * old["world_size"] * old["accumulation_steps"]
+        if old_batch != global_batch:
+            changes.append(f"global batch {old_batch} -> {global_batch}: the steps left are counted in the new "
+                           f"global batch")
     exact = "the count only: minimind's order differs" if minimind else "exact"
     rng = "RNG restored" if len(state["rng"]) == world_size else (
         "RNG reseeded" + ("" if minimind else " for the new world size"))
-    return (f"resumed from {state['resumed_from']}: {change}epoch step {old_step} -> {state['step']}, resuming at "
-            f"sample {state['samples_consumed']} of epoch {state['epoch'] + 1} ({exact}; global step "
-            f"{state['global_step']}, {rng})")
+    changed = ", ".join(changes) + "; " if changes else ""
+    return (f"resumed from {state['resumed_from']} saved at step {state['global_step']}: training continues from "
+            f"sample {state['samples_consumed']} of epoch {state['epoch'] + 1} ({changed}{exact}, {rng})")
