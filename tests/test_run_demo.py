@@ -1,0 +1,51 @@
+"""scripts/run_demo.sh's arguments and its look at the machine before the first stage (its Ctrl-C behaviour:
+tests/test_stopping.py).
+
+Each run is the real script, copied alone into tmp_path: had it gone past the check, its first stage would
+fail there instead of rewriting the repository's demo data.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+from conftest import REPO, child_env
+
+HINT = "faster: OMP_NUM_THREADS=1 bash scripts/run_demo.sh (one thread per process suffers least), or bash " \
+       "scripts/run_demo.sh --quick"
+
+
+def run_demo(tmp_path, *args: str, **machine) -> subprocess.CompletedProcess:
+    """`bash scripts/run_demo.sh ARGS` with DEMO_LOADAVG / DEMO_CORES standing in for the machine's numbers."""
+    (tmp_path / "scripts").mkdir(exist_ok=True)
+    shutil.copy(REPO / "scripts" / "run_demo.sh", tmp_path / "scripts" / "run_demo.sh")
+    return subprocess.run(["bash", str(tmp_path / "scripts" / "run_demo.sh"), *args], cwd=tmp_path,
+                          env=child_env(**machine), capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("load, cores, says", [
+    ("1.00", 2, "load average 1.00, nproc 2"),  # half the cores busy with other work
+    ("6.50", 8, "load average 6.50, nproc 8"),
+    ("0.00", 1, "load average 0.00, nproc 1"),  # one core: slow however quiet
+])
+def test_a_busy_or_small_machine_gets_one_line_with_its_numbers_and_the_two_ways_to_go_faster(tmp_path, load, cores,
+                                                                                             says):
+    result = run_demo(tmp_path, "--check_machine", DEMO_LOADAVG=load, DEMO_CORES=cores)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert result.stdout == f"== busy or small machine ({says}): the demo will be slow; {HINT}\n"
+
+
+@pytest.mark.parametrize("load, cores", [("0.99", 2), ("0.00", 2), ("3.99", 8)])
+def test_a_quiet_machine_with_two_cores_or_more_gets_no_line(tmp_path, load, cores):
+    result = run_demo(tmp_path, "--check_machine", "--quick", DEMO_LOADAVG=load, DEMO_CORES=cores)
+    assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
+
+
+def test_an_unknown_argument_is_refused_with_the_usage_before_anything_runs(tmp_path):
+    result = run_demo(tmp_path, "--quick", "--epochs", DEMO_LOADAVG="9", DEMO_CORES=2)
+    assert result.returncode == 2 and result.stdout == ""  # not even the machine's line
+    assert result.stderr == ("error: unknown argument '--epochs'; usage: bash scripts/run_demo.sh [--quick] "
+                             "[--check_machine]\n")
