@@ -1,13 +1,13 @@
 """Exercises of the README's tour that need a run stopped half-way, so a learner can look at its files.
 
 Run them from the repository root with a folder of their own, and each test's files stay in
-.exercises/<test name, cut to 30 characters>0/ after it ends (see README.md, "Read the code, then break it"):
+.exercise4/<test name, cut to 30 characters>0/ after it ends (see README.md, "Read the code, then break it"):
 
-    python -m pytest -q tests/test_exercises.py --basetemp .exercises
-    python -m scripts.inspect_checkpoint .exercises/test_kill*0/ckpt --run pretrain_32
+    python -m pytest -q tests/test_exercises.py --basetemp .exercise4
+    python -m scripts.inspect_checkpoint .exercise4/test_kill*0/ckpt --run pretrain_32
 
 pytest deletes the --basetemp folder when a run starts, so it is one of the exercises' own, inside the clone
-(and in .gitignore), never a folder that holds anything else.
+(and in .gitignore: .exercise*/), never a folder that holds anything else.
 """
 
 from __future__ import annotations
