@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole pipeline on a laptop-class CPU in a few minutes:
 #   demo data -> pretrain -> SFT -> exact-match eval -> one chat answer -> loss curves.
-# Sizes are small on purpose (a ~1M-parameter model); the flags are the same on a GPU.
+# Sizes are small on purpose (a ~1M-parameter model, 0.59M with --quick); the flags are the same on a GPU.
 #
 #   bash scripts/run_demo.sh                  # 4 layers, 3 epochs of each training: 9 minutes on a quiet 2-core CPU
 #   bash scripts/run_demo.sh --quick          # the same six stages at about a third of the cost: 2 layers, 1 epoch
