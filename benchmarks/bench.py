@@ -252,6 +252,8 @@ def run_loop_benchmark(args: argparse.Namespace) -> list[dict]:
 def run_suite(args: argparse.Namespace) -> list[dict]:
     """`--suite gpu`: every shape at batch 32, bare step and real loop, eager and compiled (CUDA only)."""
     shapes = TINY_SHAPES if args.tiny else SUITE_SHAPES
+    if args.shapes == "minimind":  # its default shape alone: half the suite's time
+        shapes = dict(list(shapes.items())[:1])
     # (bare warmup, bare timed steps, loop steps, log interval, save interval, DataLoader workers)
     warmup, steps, loop_steps, log_interval, save_interval, workers = (
         (2, 5, 12, 4, 4, 1) if args.tiny else (10, 50, 300, 50, SAVE_EVERY, 4))
@@ -316,6 +318,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     a("--mode", choices=("step", "loop"), default="step")
     a("--suite", choices=("gpu",), default=None,
       help="the speed targets' shapes, bare step and real loop, eager and compiled; overrides sizes and steps")
+    a("--shapes", choices=("all", "minimind"), default="all",
+      help="--suite at both shapes, or at minimind's default shape (768x8, seq 340) alone")
     a("--tiny", action="store_true", help="--suite at a tiny shape and few steps (checks the suite on a CPU)")
     a("--peak_flops", type=float, default=H100_SXM_BF16_FLOPS, help="FLOP/s that MFU is a fraction of")
     a("--save_interval", type=int, default=5, help="loop mode: steps between saves")
