@@ -14,8 +14,8 @@ import re
 import pytest
 import torch
 
-from conftest import (events_of, last_record_per_step_and_rank, read_trace, resume_file, run_args, status_of,
-                      trace_of, train)
+from conftest import (events_of, history_file, last_record_per_step_and_rank, read_trace, resume_file, run_args,
+                      status_of, trace_of, train)
 from trainer.trainer_utils import epoch_order
 
 
@@ -171,3 +171,41 @@ def test_injected_spike_is_reported_under_warn_and_the_run_finishes(tmp_path, pr
     others = sorted(r["grad_norm"] for r in trace if r["step"] != 8)
     assert spiked["grad_norm"] > 100 * others[len(others) // 2]  # the norm before clipping to --grad_clip
     assert all(math.isfinite(r["loss"]) for r in trace)
+
+
+# ---- a run whose every step is skipped ------------------------------------------------------------
+
+def test_under_warn_skipped_steps_in_a_row_stop_the_run_and_an_applied_step_starts_the_count_again():
+    from trainer.hardening.anomaly import AnomalyGuard
+    guard = AnomalyGuard("warn", patience=0, max_rollbacks=3, lr_factor=1.0, max_skipped=3)
+    nan = float("nan")
+    verdicts = [guard.verdict(step, loss, 1.0, True)[0] for step, loss in enumerate([2.0, nan, nan, 2.0, nan], 1)]
+    assert verdicts == ["apply", "skip", "skip", "apply", "skip"]  # step 4 was applied: the count starts again
+    restored = AnomalyGuard("warn", patience=0, max_rollbacks=3, lr_factor=1.0, max_skipped=3)
+    restored.load_state_dict(guard.state_dict())  # a resume keeps the count, as an uninterrupted run would
+    assert restored.verdict(6, 1.0, float("inf"), True)[0] == "skip"
+    action, reason = restored.verdict(7, nan, nan, True)
+    assert action == "stop"
+    assert reason.startswith("not training: the last 3 steps (5 to 7) were all non-finite and skipped"), reason
+    assert "weights have not changed since step 4" in reason and "--learning_rate" in reason
+
+
+def test_a_learning_rate_that_makes_every_step_non_finite_stops_the_run_with_exit_3_and_what_to_try(
+        tmp_path, pretrain_data):
+    # --learning_rate 1e30 is finite, so the flag check lets it through; step 1 is applied, and every step after it
+    # is non-finite and skipped. Batch 1: 37 steps, and the default --max_skipped_steps 20 stops the run at step 21.
+    result = train("train_pretrain.py", None, run_args(tmp_path, pretrain_data, "--batch_size", "1",
+                                                       "--learning_rate", "1e30", "--save_interval", "10"),
+                   tmp_path, check=False)
+    assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]  # it was 0, after 37 useless steps
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("stopping on anomaly:")]
+    assert line.startswith("stopping on anomaly: not training: the last 20 steps (2 to 21) were all non-finite"), line
+    assert "Try a lower --learning_rate" in line and "Traceback" not in result.stderr
+    status = status_of(tmp_path)
+    assert (status["status"], status["anomaly_step"]) == ("failed", 21)
+    trace = trace_of(tmp_path)
+    assert [r["step"] for r in trace if r.get("skipped")] == list(range(2, 21))  # step 21 stopped the run unrecorded
+    # The saves at steps 10 and 20 hold the same weights: no skipped step changed them.
+    assert resume_file(tmp_path)["global_step"] == 20
+    at_10, at_20 = history_file(tmp_path, 10)["model"], history_file(tmp_path, 20)["model"]
+    assert all(torch.equal(at_10[key], at_20[key]) for key in at_10)

@@ -4,14 +4,18 @@ not a run that trains silently wrong (a negative clip coefficient, zero tokens, 
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
 import torch
 
 from conftest import run_args, train
+from model.model import CausalLM, LMConfig
 from trainer import train_full_sft, train_pretrain
+from trainer.hardening import flag_checks
 from trainer.hardening.resume_checks import ConfigError
+from trainer.trainer_utils import model_config
 
 SCRIPTS = {"pretrain": train_pretrain, "sft": train_full_sft}
 
@@ -92,6 +96,19 @@ BAD_FLAGS = [
     ("sft", ["--drop_empty_think_ratio", "-0.2"], "--drop_empty_think_ratio -0.2: must be in [0, 1]"),
     ("sft", ["--drop_empty_think_ratio", "nan"], "--drop_empty_think_ratio nan: must be in [0, 1]"),
     ("sft", ["--batch_size", "0"], "--batch_size 0: must be an integer >= 1"),
+    ("pretrain", ["--max_skipped_steps", "0"], "--max_skipped_steps 0: must be an integer >= 1"),
+    ("pretrain", ["--intermediate_size", str(2**40 + 1)], f"--intermediate_size {2**40 + 1}: must be an integer >= 1, "
+                                                          f"at most 2**40"),  # past any memory, and float overflow
+    # names: a part of a file name, never a path (they wrote outside the locked directories), nor too long for one
+    ("pretrain", ["--save_weight", "../../x"], "--save_weight '../../x': must be a plain file name"),
+    ("pretrain", ["--run_name", "../../x"], "--run_name '../../x': must be a plain file name"),
+    ("pretrain", ["--run_name", "runs/a"], "--run_name 'runs/a': must be a plain file name"),
+    ("pretrain", ["--run_name", ""], "--run_name '': must be a plain file name"),  # was the default, silently
+    ("sft", ["--from_weight", "../pretrain"], "--from_weight '../pretrain': must be a plain file name"),
+    ("pretrain", ["--run_name", "r" * 300], f"--run_name {'r' * 40}... (300 characters): too long: the longest file "
+                                            f"name made from it has 375 characters"),  # was OSError mid-run
+    ("pretrain", ["--save_weight", "w" * 200], f"--save_weight {'w' * 40}... (200 characters): too long"),
+    ("sft", ["--from_weight", "w" * 260], f"--from_weight {'w' * 40}... (260 characters): too long"),
 ]
 
 
@@ -173,3 +190,74 @@ def test_under_torchrun_each_rank_prints_the_line_once(tmp_path, pretrain_data):
     frames = ("flag_checks.py", "trainer_utils.py", 'train_pretrain.py", line')
     assert not any(frame in result.stderr for frame in frames)
     assert not (tmp_path / "out").exists()
+
+
+# ---- names and sizes: what a file system and a device can hold --------------------------------------------------
+
+def test_a_name_is_refused_just_past_the_longest_file_name_its_directory_takes(monkeypatch, paths):
+    """The run's longest file is `{run_name}_metrics.jsonl.partial-HOST-PID-TID.tmp`, 75 characters past the name."""
+    monkeypatch.setattr(flag_checks.os, "pathconf", lambda path, name: 100 if name == "PC_NAME_MAX" else None)
+    assert parse(monkeypatch, "pretrain", ["--run_name", "r" * 25], paths).run_name == "r" * 25
+    with pytest.raises(ConfigError, match=r"^--run_name r{26}: too long: the longest file name made from it has 101 "
+                                          r"characters, and .* takes at most 100; give a name of at most 25"):
+        parse(monkeypatch, "pretrain", ["--run_name", "r" * 26], paths)
+    assert parse(monkeypatch, "pretrain", ["--save_weight", "w" * 21], paths).save_weight == "w" * 21
+    with pytest.raises(ConfigError, match=r"^--save_weight w{22}: too long: .* has 101 characters"):  # 22 + _512 + 75
+        parse(monkeypatch, "pretrain", ["--save_weight", "w" * 22], paths)
+
+
+TINY_CONFIGS = [dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+                dict(vocab_size=100, hidden_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
+                     intermediate_size=72),
+                dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                     use_moe=True, num_experts=3, intermediate_size=40)]
+
+
+@pytest.mark.parametrize("sizes", TINY_CONFIGS, ids=["dense", "gqa_1_kv_head", "moe"])
+def test_the_memory_estimate_counts_the_parameters_the_model_has(sizes):
+    config = LMConfig(**sizes)
+    assert flag_checks.config_parameters(config) == CausalLM(config).num_parameters()
+
+
+def too_big(monkeypatch, paths, flags: list[str], vocab: int = 6400) -> str:
+    """The line model_config refuses the sizes in `flags` with."""
+    args = parse(monkeypatch, "pretrain", flags, paths)
+    with pytest.raises(ConfigError) as raised:
+        model_config(args, vocab)
+    assert "\n" not in str(raised.value)
+    return str(raised.value)
+
+
+def test_a_model_that_cannot_fit_is_refused_naming_the_flag_that_grows_it_most(monkeypatch, paths):
+    small = ["--hidden_size", "32", "--num_hidden_layers", "2", "--num_attention_heads", "4", "--num_key_value_heads",
+             "2"]
+    line = too_big(monkeypatch, paths, [*small, "--intermediate_size", "99999999999"])  # was an allocator traceback
+    assert re.match(r"--intermediate_size 99999999999: the model would have 19,200,.*M parameters, and training them "
+                    r"needs at least .* GiB \(16 bytes a parameter.*\), but this machine has .* GiB of memory "
+                    r"available; lower --intermediate_size$", line), line
+    assert too_big(monkeypatch, paths, [*small, "--num_hidden_layers", "10000000000"]).startswith(
+        "--num_hidden_layers 10000000000: the model would have")
+    assert too_big(monkeypatch, paths, ["--hidden_size", "4000000", "--num_attention_heads", "8"]).startswith(
+        "--hidden_size 4000000: the model would have")
+    assert too_big(monkeypatch, paths, [*small, "--use_moe", "1", "--num_experts", "10000000000"]).startswith(
+        "--num_experts 10000000000: the model would have")
+
+
+def test_a_gpu_is_measured_by_its_free_memory_and_fsdp_divides_the_model_over_the_ranks(monkeypatch, paths):
+    args = parse(monkeypatch, "pretrain", [], paths)  # the default model: 512 x 8, about 25M parameters
+    needed = flag_checks.config_parameters(model_config(args, 6400)) * 16
+    args.device = "cuda:0"  # (parse checked --device cpu: this machine may have no GPU)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (needed // 3, 80 * 2**30))
+    with pytest.raises(ConfigError, match=r"^--hidden_size 512: .* but cuda:0 has 0.1 GiB free; lower --hidden_size$"):
+        model_config(args, 6400)
+    args.parallel = "fsdp"  # four ranks: a quarter of it each
+    monkeypatch.setattr(flag_checks.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(flag_checks.dist, "get_world_size", lambda: 4)
+    assert model_config(args, 6400).hidden_size == 512
+
+
+def test_a_model_too_big_for_memory_stops_pretraining_with_one_line_before_anything_is_made(tmp_path, pretrain_data):
+    result = train("train_pretrain.py", None, run_args(tmp_path, pretrain_data, "--intermediate_size", "99999999999"),
+                   tmp_path, check=False, timeout=60)
+    expect_one_line(result, "--intermediate_size 99999999999: the model would have")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "ckpt").exists()

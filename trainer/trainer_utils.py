@@ -30,6 +30,7 @@ from model.model import CausalLM, LMConfig
 from trainer.hardening import checkpoint_io, resume_checks, sharding
 from trainer.hardening.background_save import BackgroundSaver
 from trainer.hardening.elastic_store import attempt_store
+from trainer.hardening.flag_checks import check_fits_in_memory
 from trainer.hardening.resume_checks import ConfigError
 from trainer.hardening.save_on_ranks import gather_rng_states, raise_on_every_rank, write_checkpoint
 
@@ -248,8 +249,11 @@ def given_sizes(args) -> dict:
 
 
 def model_config(args, vocab_size: int) -> LMConfig:
-    """The model the size flags describe, for a tokenizer of `vocab_size` tokens."""
-    return LMConfig(vocab_size=vocab_size, **given_sizes(args))
+    """The model the size flags describe, for a tokenizer of `vocab_size` tokens; one that cannot fit in the
+    device's memory is refused here, before anything is allocated or any directory made (ConfigError)."""
+    lm_config = LMConfig(vocab_size=vocab_size, **given_sizes(args))
+    check_fits_in_memory(lm_config, args)
+    return lm_config
 
 
 def init_model(args, lm_config: LMConfig, log: Callable[[str], None],
@@ -410,7 +414,8 @@ def lm_checkpoint(lm_config: LMConfig, weight: str = "full_sft", model=None, opt
             "train_args": resume_checks.plain(run.settings if run else {}),
             "data_fingerprint": resume_checks.plain(run.data_fingerprint if run else {}),  # path, size, lines, sha256
             # The anomaly guard's memory after this step: {"detector": {"losses", "grad_norms" (the last 20
-            # accepted), "best_loss", "best_step", "checks_since_best"}, "rollbacks", "lr_scale", "skip_windows"}
+            # accepted), "best_loss", "best_step", "checks_since_best"}, "rollbacks", "lr_scale", "skip_windows",
+            # "skipped_in_a_row" (non-finite steps skipped since the last applied one; --max_skipped_steps)}
             "anomaly": resume_checks.plain(anomaly_state or {}),
             # The wandb / SwanLab run ids (None: not used). A resume hands them back to `init(id=...,
             # resume="allow")` (the script's section 6: Tracker(..., tracker_ids=state["tracker_ids"])),

@@ -6,7 +6,8 @@ loss (reduced over ranks) and grad norm (of synchronized gradients), so they rea
 without talking:
 
     "apply"     the step is fine (or only worth a warning): its update stands
-    "skip"      non-finite under --on_anomaly warn: its update was skipped on the device; keep training
+    "skip"      non-finite under --on_anomaly warn: its update was skipped on the device; keep training,
+                unless --max_skipped_steps steps in a row were skipped: then "stop", as the run no longer trains
     "stop"      --on_anomaly stop: exit non-zero with the reason, before any save holds the step
     "rollback"  --on_anomaly rollback: reload the last good checkpoint (from before the step), and step
                 over this batch window when training reaches it again
@@ -30,7 +31,10 @@ import torch
 
 
 class AnomalyStop(RuntimeError):
-    """Training stopped on an anomaly (--on_anomaly stop, or rollbacks exhausted)."""
+    """Training stopped on an anomaly (--on_anomaly stop, rollbacks exhausted, or every recent step skipped)."""
+
+
+NOT_TRAINING = "not training"  # the start of the reason a run of skipped steps stops with
 
 
 class AnomalyDetector:
@@ -161,28 +165,44 @@ def install_debug_injection(model: torch.nn.Module, spec: str | None, current_st
 class AnomalyGuard:
     """Applies the --on_anomaly policy to each step, and remembers which windows to step over."""
 
-    def __init__(self, policy: str, patience: int, max_rollbacks: int, lr_factor: float):
+    def __init__(self, policy: str, patience: int, max_rollbacks: int, lr_factor: float, max_skipped: int):
         self.policy, self.max_rollbacks, self.lr_factor = policy, max_rollbacks, lr_factor
+        self.max_skipped = max_skipped  # --max_skipped_steps
         self.detector = AnomalyDetector(patience=patience)
         self.rollbacks, self.lr_scale = 0, 1.0
+        self.skipped_in_a_row = 0  # non-finite steps skipped under warn since the last one applied
         self.skip_windows: set[tuple[int, int]] = set()  # (epoch, cursor at the window's start)
 
     def verdict(self, step: int, loss: float, grad_norm: float, gradients_finite_expected: bool) -> tuple[str, str]:
         """(action, reason). `gradients_finite_expected` is False under fp16 GradScaler, where an
         inf gradient is routine (the scaler skips that step and lowers its scale by itself)."""
         if not gradients_finite_expected and math.isfinite(loss) and not math.isfinite(grad_norm):
-            return "apply", ""
+            return "apply", ""  # (not counted as skipped: the scaler lowers its scale until the gradients fit)
         reason = self.detector.check(step, loss, grad_norm)
+        if self.policy == "warn" and not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            return self._skip(step, reason)
+        self.skipped_in_a_row = 0  # a step applied (or a stop, a rollback): a run of skipped steps ends
         if reason is None:
             return "apply", ""
-        non_finite = not (math.isfinite(loss) and math.isfinite(grad_norm))
         if self.policy == "warn":
-            return ("skip" if non_finite else "apply"), reason
+            return "apply", reason
         if self.policy == "rollback" and reason.startswith("plateau"):
             return "stop", reason + " (rolling back cannot cure a plateau)"
         if self.policy == "rollback" and self.rollbacks >= self.max_rollbacks:
             return "stop", f"{reason}; giving up after {self.rollbacks} rollbacks (--max_rollbacks)"
         return self.policy, reason  # "stop" or "rollback"
+
+    def _skip(self, step: int, reason: str) -> tuple[str, str]:
+        """A non-finite step under warn is skipped; so many in a row that the weights no longer change stop the run:
+        it would go on to its end and exit 0, having learnt nothing."""
+        self.skipped_in_a_row += 1
+        if self.skipped_in_a_row < self.max_skipped:
+            return "skip", reason
+        first = step - self.skipped_in_a_row + 1
+        return "stop", (f"{NOT_TRAINING}: the last {self.skipped_in_a_row} steps ({first} to {step}) were all "
+                        f"non-finite and skipped under --on_anomaly warn (--max_skipped_steps {self.max_skipped}), so "
+                        f"the weights have not changed since step {first - 1}; the latest: {reason}. Try a lower "
+                        f"--learning_rate, look for broken samples in the data, or on a GPU --dtype float32")
 
     def plan_rollback(self, epoch: int, window_start: int) -> None:
         self.rollbacks += 1
@@ -195,7 +215,7 @@ class AnomalyGuard:
     def state_dict(self) -> dict:
         """Plain types, so it fits in a `weights_only=True` checkpoint."""
         return {"detector": self.detector.state_dict(), "rollbacks": self.rollbacks, "lr_scale": self.lr_scale,
-                "skip_windows": sorted(list(w) for w in self.skip_windows)}
+                "skip_windows": sorted(list(w) for w in self.skip_windows), "skipped_in_a_row": self.skipped_in_a_row}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue with a resumed run's memory; an older checkpoint without it starts afresh."""
@@ -204,3 +224,5 @@ class AnomalyGuard:
         self.detector.load_state_dict(state["detector"])
         self.rollbacks, self.lr_scale = int(state["rollbacks"]), float(state["lr_scale"])
         self.skip_windows = {(int(epoch), int(start)) for epoch, start in state["skip_windows"]}
+        # A checkpoint of a version before --max_skipped_steps did not count: its run starts counting afresh.
+        self.skipped_in_a_row = int(state.get("skipped_in_a_row", 0))

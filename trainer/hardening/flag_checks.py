@@ -4,6 +4,10 @@ later or a run that trains silently wrong. Defaults that depend on other flags a
 
 It runs in parse_args, before the process group exists: under torchrun every rank meets the same bad
 flag and prints its own line (run_script), and no rank is left waiting for another in a collective.
+The names that become file names (--save_weight, --run_name, --from_weight) are plain names that fit
+the file system. One check runs later, once the tokenizer gives the vocabulary: a model whose weights,
+gradients and AdamW state cannot fit in the device's memory is refused (check_fits_in_memory, called by
+trainer_utils.model_config), before anything is allocated.
 """
 
 from __future__ import annotations
@@ -14,13 +18,19 @@ import os
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from model.model import LMConfig
+from model.model import LMConfig, default_intermediate_size
 from trainer.hardening.anomaly import parse_injection
 from trainer.hardening.checkpoint_io import HISTORY_NAME
 from trainer.hardening.resume_checks import ConfigError
 
 MAX_POSITIONS = LMConfig.max_position_embeddings  # the rotary table's length: no window may be longer
+
+# A size above 2**40 is past any machine's memory: the cap keeps the memory estimate (check_fits_in_memory) and
+# LMConfig's float arithmetic on the sizes away from overflowing; check_fits_in_memory refuses what is smaller.
+MAX_SIZE = 2**40
+SIZE = f"an integer >= 1, at most 2**40 = {MAX_SIZE}"
 
 # What each numeric flag may be: the words a refusal prints, and the test. A flag left out (None) passes;
 # the tests say what IS allowed, so NaN, for which every comparison is False, fails each of them.
@@ -35,13 +45,13 @@ RANGES = {
     "warmup_ratio": ("in [0, 1) (the share of the run the LR warms up over)", lambda v: 0 <= v < 1),
     "max_seq_len": (f"an integer in [2, {MAX_POSITIONS}] (n tokens give n - 1 next-token targets; the model's "
                     f"rotary table holds {MAX_POSITIONS} positions)", lambda v: 2 <= v <= MAX_POSITIONS),
-    "hidden_size": ("an integer >= 1", lambda v: v >= 1),
-    "num_hidden_layers": ("an integer >= 1", lambda v: v >= 1),
-    "num_attention_heads": ("an integer >= 1", lambda v: v >= 1),
-    "num_key_value_heads": ("an integer >= 1", lambda v: v >= 1),
-    "intermediate_size": ("an integer >= 1", lambda v: v >= 1),
-    "num_experts": ("an integer >= 1", lambda v: v >= 1),
-    "num_experts_per_tok": ("an integer >= 1", lambda v: v >= 1),
+    "hidden_size": (SIZE, lambda v: 1 <= v <= MAX_SIZE),
+    "num_hidden_layers": (SIZE, lambda v: 1 <= v <= MAX_SIZE),
+    "num_attention_heads": (SIZE, lambda v: 1 <= v <= MAX_SIZE),
+    "num_key_value_heads": (SIZE, lambda v: 1 <= v <= MAX_SIZE),
+    "intermediate_size": (SIZE, lambda v: 1 <= v <= MAX_SIZE),
+    "num_experts": (SIZE, lambda v: 1 <= v <= MAX_SIZE),
+    "num_experts_per_tok": (SIZE, lambda v: 1 <= v <= MAX_SIZE),
     "num_workers": ("an integer >= 0 (0 loads the data in the training process)", lambda v: v >= 0),
     "grad_clip": ("a number > 0 (the largest gradient norm kept; inf turns clipping off)", lambda v: v > 0),
     "log_interval": ("an integer >= 1 (optimizer steps between log lines)", lambda v: v >= 1),
@@ -55,6 +65,8 @@ RANGES = {
     "max_rollbacks": ("an integer >= 0 (rollbacks before --on_anomaly rollback stops)", lambda v: v >= 0),
     "rollback_lr_factor": ("in (0, 1] (the LR is multiplied by it after each rollback; 1 keeps it)",
                            lambda v: 0 < v <= 1),
+    "max_skipped_steps": ("an integer >= 1 (non-finite steps in a row that --on_anomaly warn skips before it stops "
+                          "the run)", lambda v: v >= 1),
     "system_prompt_ratio": ("in [0, 1] (a share of the samples)", lambda v: 0 <= v <= 1),
     "drop_empty_think_ratio": ("in [0, 1] (a share of the samples)", lambda v: 0 <= v <= 1),
 }
@@ -69,6 +81,7 @@ def check_flags(args: argparse.Namespace) -> argparse.Namespace:
             raise ConfigError(f"--{flag} {value}: must be {allowed}")
     check_model_shape(args)
     check_paths(args)
+    check_names(args)
     check_device(args.device)
     unknown = [name for name in args.logger.split(",") if name and name not in LOGGERS]
     if unknown:  # a typo would silently drop that output
@@ -158,3 +171,122 @@ def check_device(device_flag: str) -> None:
         raise ConfigError(f"--device {device_flag}: MPS is not available on this machine; train with --device cpu")
     elif device.type not in ("cpu", "mps"):
         raise ConfigError(f"--device {device_flag}: must be cpu, cuda, cuda:N or mps")
+
+
+# ---- names: --save_weight, --run_name and --from_weight become parts of file names ------------------------------
+#
+# Every file a run writes is named from `{save_weight}_{hidden}[_moe]` or --run_name. The longest is a metrics file
+# in the making, `{name}_metrics.jsonl.partial-HOST-PID-TID.tmp` (durable_files.temp_path: the host cut to 32
+# characters, a process and a thread id of up to 7 digits each, as Linux's pid_max allows).
+LONGEST_TAIL = "_metrics.jsonl" + ".partial-" + "H" * 32 + "-" + "9" * 7 + "-" + "9" * 7 + ".tmp"
+
+
+def check_names(args: argparse.Namespace) -> None:
+    """The flags that name files are plain file names, short enough for the directories they go in: a `/` or `..`
+    would write outside the directories the run locked, and a long name ends in 'File name too long' mid-run."""
+    stem = f"{args.hidden_size}{'_moe' if args.use_moe else ''}"  # run_name() in trainer_utils: {weight}_{stem}
+    metrics_dir = args.metrics_dir or args.save_dir
+    check_name("save_weight", args.save_weight, f"{args.save_weight}_{stem}{LONGEST_TAIL}",
+               (args.checkpoint_dir, args.save_dir, metrics_dir))
+    if args.run_name is not None:
+        check_name("run_name", args.run_name, f"{args.run_name}{LONGEST_TAIL}", (metrics_dir,))
+    if args.from_weight != "none":  # read from --save_dir as {from_weight}_{hidden}[_moe].pth
+        check_name("from_weight", args.from_weight, f"{args.from_weight}_{stem}.pth", (args.save_dir,))
+
+
+def check_name(flag: str, value: str, longest: str, directories) -> None:
+    """`value` is a plain file name, and `longest` (the longest name made from it) fits in each of `directories`."""
+    if not value or "/" in value or (os.altsep and os.altsep in value) or ".." in value or "\0" in value:
+        raise ConfigError(f"--{flag} {value!r}: must be a plain file name (not empty; no '/', '..' or NUL): it "
+                          f"names files inside the run's directories, and must not point elsewhere")
+    for directory in directories:
+        limit = name_max(Path(directory))
+        if len(longest) > limit:
+            shown = value if len(value) <= 40 else f"{value[:40]}... ({len(value)} characters)"
+            raise ConfigError(f"--{flag} {shown}: too long: the longest file name made from it has {len(longest)} "
+                              f"characters, and {directory} takes at most {limit}; give a name of at most "
+                              f"{len(value) - (len(longest) - limit)} characters")
+
+
+def name_max(directory: Path) -> int:
+    """The longest file name the file system of `directory` (or of its nearest existing parent) takes."""
+    existing = next((part for part in (directory, *directory.absolute().parents) if part.is_dir()), Path("/"))
+    try:
+        return os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):  # a system that does not say: 255 is the limit of ext4, XFS, APFS and NTFS
+        return 255
+
+
+# ---- sizes: a model that cannot fit is refused before its weights are allocated ---------------------------------
+
+# Training keeps 16 bytes a parameter: the fp32 master weight and its gradient (4 + 4), AdamW's two moments (4 + 4).
+# Activations, the batch and a background save come on top, so a model refused here could never have trained.
+TRAINING_BYTES_PER_PARAMETER = 16
+DEFAULT_SIZES = {"hidden_size": LMConfig.hidden_size, "num_hidden_layers": LMConfig.num_hidden_layers,
+                 "num_attention_heads": LMConfig.num_attention_heads,
+                 "num_key_value_heads": LMConfig.num_key_value_heads, "num_experts": LMConfig.num_experts}
+
+
+def parameter_count(vocab_size: int, hidden_size: int, num_hidden_layers: int, num_attention_heads: int,
+                    num_key_value_heads: int, intermediate_size: int, num_experts: int, use_moe: bool) -> int:
+    """CausalLM's parameters for these sizes, counted with Python's integers (which do not overflow), as
+    model/model.py lays them out: a tied embedding, per layer attention (q, k, v, o and two head norms), a SwiGLU
+    MLP (or `num_experts` of them and a router), two norms; and the final norm."""
+    head_dim = hidden_size // num_attention_heads
+    attention = 2 * hidden_size * num_attention_heads * head_dim + 2 * hidden_size * num_key_value_heads * head_dim
+    mlp = 3 * hidden_size * intermediate_size
+    if use_moe:
+        mlp = num_experts * mlp + hidden_size * num_experts
+    layer = attention + 2 * head_dim + mlp + 2 * hidden_size
+    return vocab_size * hidden_size + num_hidden_layers * layer + hidden_size
+
+
+def config_parameters(config: LMConfig, **changed) -> int:
+    """parameter_count of `config`, with the sizes in `changed` in place of its own."""
+    sizes = {name: getattr(config, name) for name in ("vocab_size", "hidden_size", "num_hidden_layers",
+                                                      "num_attention_heads", "num_key_value_heads",
+                                                      "intermediate_size", "num_experts", "use_moe")}
+    return parameter_count(**{**sizes, **changed})
+
+
+def check_fits_in_memory(config: LMConfig, args: argparse.Namespace) -> None:
+    """Refuse a model whose weights, gradients and AdamW state cannot fit in the device's memory (under --parallel
+    fsdp, a rank's share), naming the size flag that grows it most: not an allocator's traceback later."""
+    device = torch.device(args.device)
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    shards = world_size if args.parallel == "fsdp" else 1  # fsdp: each rank keeps 1/world_size of everything
+    parameters = config_parameters(config)
+    needed = parameters * TRAINING_BYTES_PER_PARAMETER // shards
+    if device.type != "cuda":  # the ranks of a node share its memory (torchrun's LOCAL_WORLD_SIZE)
+        needed *= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    available, where = available_memory(device)
+    if needed <= available:
+        return
+    defaults = {**DEFAULT_SIZES, "intermediate_size": default_intermediate_size(config.hidden_size)}
+    given = [flag for flag in defaults if getattr(args, flag) is not None]  # (the scripts give --hidden_size always)
+    # The flag whose value grows the model most: put back at its default, it shrinks the count the most.
+    culprit = max(given, key=lambda flag: parameters / config_parameters(config, **{flag: defaults[flag]}))
+    share = f", 1/{shards} of it on each of {shards} ranks (--parallel fsdp)" if shards > 1 else ""
+    raise ConfigError(f"--{culprit} {getattr(args, culprit)}: the model would have {parameters / 1e6:,.1f}M "
+                      f"parameters, and training them needs at least {gib(needed)} ({TRAINING_BYTES_PER_PARAMETER} "
+                      f"bytes a parameter: fp32 weights and gradients, AdamW's two moments{share}), but {where}; "
+                      f"lower --{culprit}")
+
+
+def available_memory(device: torch.device) -> tuple[int, str]:
+    """(bytes, in words): the GPU's free memory, else the machine's memory not in use (MPS shares it)."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()  # torchrun: LOCAL_RANK's
+        free, _ = torch.cuda.mem_get_info(index)
+        return free, f"cuda:{index} has {gib(free)} free"
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:  # Linux: MemAvailable counts reclaimable cache
+            kib = next(int(line.split()[1]) for line in meminfo if line.startswith("MemAvailable:"))
+        return kib * 1024, f"this machine has {gib(kib * 1024)} of memory available"
+    except (OSError, StopIteration):  # macOS and others have no /proc/meminfo: all of the physical memory
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return total, f"this machine has {gib(total)} of memory"
+
+
+def gib(size: int) -> str:
+    return f"{size / 2**30:,.1f} GiB"

@@ -43,6 +43,8 @@ def add_operator_flags(parser: argparse.ArgumentParser) -> None:
     a("--patience", type=int, default=0, help="steps without loss improvement that count as a plateau (0: off)")
     a("--max_rollbacks", type=int, default=3)
     a("--rollback_lr_factor", type=float, default=1.0, help="multiply the LR by this after each rollback")
+    a("--max_skipped_steps", type=int, default=20,
+      help="--on_anomaly warn: this many non-finite (skipped) steps in a row stop the run, which no longer trains")
     a("--compile_backend", default="inductor",
       help="torch.compile's backend with --use_compile 1; aot_eager traces the same graphs without generating "
            "kernels (to tell a compiler fault from a model fault; the tests use it for speed)")

@@ -27,12 +27,18 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from trainer.hardening.anomaly import AnomalyGuard, AnomalyStop
+from trainer.hardening.anomaly import NOT_TRAINING, AnomalyGuard, AnomalyStop
 from trainer.hardening.background_save import BackgroundSaver, finish_saves
 from trainer.hardening.stopping import StopRequest
 
 
 STEPPED_OVER = "stepped over: this window caused an anomaly before a rollback"
+
+
+def stop_message(reason: str) -> str:
+    """What a stop says: a bad step stops the run before any save holds it. A run of skipped steps held nothing
+    either (no skipped step changed a weight); its reason says what to try instead."""
+    return reason if reason.startswith(NOT_TRAINING) else f"{reason}. The newest checkpoint is from before it."
 
 
 class Step(NamedTuple):
@@ -60,7 +66,8 @@ class StepJudge:
     def __init__(self, args, tracker, saver: BackgroundSaver, gradients_finite_expected: bool, dist_info,
                  start_step: int, guard_state: dict, log: Callable[[str], None]):
         """`start_step`, `guard_state`: where a resumed run starts, and its guard's memory ({} for a new run)."""
-        self.guard = AnomalyGuard(args.on_anomaly, args.patience, args.max_rollbacks, args.rollback_lr_factor)
+        self.guard = AnomalyGuard(args.on_anomaly, args.patience, args.max_rollbacks, args.rollback_lr_factor,
+                                  args.max_skipped_steps)
         self.guard.load_state_dict(guard_state)  # its history, rollbacks and the windows to step over
         self.stop = StopRequest()  # SIGTERM / Ctrl-C: finish the step, save, exit 0
         self.tracker, self.saver, self.device, self.log = tracker, saver, dist_info.device, log
@@ -137,7 +144,7 @@ class StepJudge:
             else:
                 action, reason = self._verdict(step, loss, grad_norm)
             if action == "stop":
-                raise AnomalyStop(f"{reason}. The newest checkpoint is from before it.")
+                raise AnomalyStop(stop_message(reason))
             if action == "rollback":
                 raise Rollback(step, reason)
             lr = 0.0 if stepped_over else step.lr
