@@ -7,6 +7,10 @@ it: `step_00000300.pth.json`) records the size and SHA-256 of those bytes; a has
 by (path, inode, size, mtime_ns), so a kept file is read once, not at every save. Loading is torch.load
 with weights_only=True, always.
 
+Every path the trainer writes is looked at (lstat) before it is opened (output_problem): a folder, FIFO or
+device there is refused in one line (exit 2), and so is a symbolic link where a file is appended to (the
+metrics file, the trace: open_to_append); a file replaced by a rename replaces a link, never follows it.
+
 checkpoint_io.py (single-file checkpoints, rotation, fallback) and sharded_checkpoint.py (the folders of
 --parallel fsdp) build on this module; it imports nothing of theirs.
 """
