@@ -44,7 +44,7 @@ import torch.distributed as dist
 # The file primitives; TEMP_TAIL, CheckpointError and atomic_write_text are imported from here by run_lock.py,
 # tracking.py and the scripts too.
 from trainer.hardening.durable_files import (TEMP_TAIL, CheckpointError, atomic_write, atomic_write_text,
-                                             earlier_manifest, forget_hash, fsync_dir, load_file_trusted,
+                                             check_output, earlier_manifest, forget_hash, fsync_dir, load_file_trusted,
                                              manifest_of, manifest_path, remember_hash, sha256_of, temp_path)
 
 HISTORY_NAME = re.compile(r"^step_(\d{8})\.(?:pth|dcp)$")  # .dcp: a sharded checkpoint's folder
@@ -155,6 +155,7 @@ def remove_checkpoint(path: Path) -> None:
 def link_resume_to(files: RunFiles, path: Path) -> None:
     """Point `{run}_resume.pth` at `path`: a hard link (no second copy on disk) made under a temp name and
     renamed over the old one, so the name always holds a complete checkpoint."""
+    check_output(files.resume_link, appended=False)  # a folder or FIFO there is refused; a link is replaced
     tmp = temp_path(files.resume_link)
     os.link(path, tmp)
     try:

@@ -7,18 +7,24 @@ it: `step_00000300.pth.json`) records the size and SHA-256 of those bytes; a has
 by (path, inode, size, mtime_ns), so a kept file is read once, not at every save. Loading is torch.load
 with weights_only=True, always.
 
+Every path the trainer writes is looked at (lstat) before it is opened (output_problem): a folder, FIFO or
+device there is refused in one line (exit 2), and so is a symbolic link where a file is appended to (the
+metrics file, the trace: open_to_append); a file replaced by a rename replaces a link, never follows it.
+
 checkpoint_io.py (single-file checkpoints, rotation, fallback) and sharded_checkpoint.py (the folders of
 --parallel fsdp) build on this module; it imports nothing of theirs.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import pickle
 import re
 import socket
+import stat
 import threading
 from pathlib import Path
 from typing import Any, Callable
@@ -33,6 +39,62 @@ _known_hashes: dict[str, tuple[tuple[int, int, int], str]] = {}  # path -> ((ino
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written, or none could be trusted for loading."""
+
+
+class OutputPathError(CheckpointError):
+    """Something other than a file of this run stands where the trainer writes one (one line, exit 2)."""
+
+
+def output_problem(path: Path, appended: bool) -> str | None:
+    """What stands at `path` that the trainer must not write into, in words ("is a FIFO"), or None: nothing, or a
+    regular file. A symbolic link is a problem only for a file the trainer appends to (`appended`): a write
+    through it would land in the file it points to. A file replaced atomically (atomic_write) may be a link:
+    the rename replaces the link itself and never follows it. lstat, not open: a FIFO is never opened here,
+    so the check cannot block."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISREG(mode) or (stat.S_ISLNK(mode) and not appended):
+        return None
+    if stat.S_ISLNK(mode):
+        return f"is a symbolic link (to {os.readlink(path)}): appending through it would write into that file"
+    return ("is a directory" if stat.S_ISDIR(mode) else "is a FIFO (named pipe)" if stat.S_ISFIFO(mode)
+            else "is a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "is a socket" if stat.S_ISSOCK(mode)
+            else "is not a regular file")
+
+
+def refusal(path: Path, problem: str) -> str:
+    """The one line that refuses to write `path` because it `problem` (output_problem's words)."""
+    return f"{path} {problem}; this run writes a file of its own there, and left this as it is: move it away or " \
+           f"give another path"
+
+
+def check_output(path: Path, appended: bool) -> None:
+    """Raise OutputPathError (one line) if output_problem finds something at `path` the trainer must not write."""
+    problem = output_problem(path, appended)
+    if problem is not None:
+        raise OutputPathError(refusal(path, problem))
+
+
+def open_to_append(path: Path, truncate: bool = False) -> int:
+    """A file descriptor that appends to the regular file `path` (made if missing; emptied first with
+    `truncate`), after check_output. The open itself refuses what may have appeared since the check:
+    O_NOFOLLOW fails on a link, O_NONBLOCK makes a FIFO fail (no reader) or open at once (then fstat refuses
+    it), so nothing is written through a link and nothing waits for a reader."""
+    check_output(path, appended=True)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags | (os.O_TRUNC if truncate else 0), 0o644)
+    except OSError as error:
+        if error.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):  # a link, a FIFO, a folder put there since
+            check_output(path, appended=True)
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)  # nothing was written: a device or FIFO swapped in after the check
+        raise OutputPathError(refusal(path, output_problem(path, appended=True) or "is not a regular file"))
+    os.set_blocking(fd, True)  # back to plain writes (O_NONBLOCK was for the open)
+    return fd
 
 
 def one_line(error: BaseException) -> str:
@@ -110,12 +172,23 @@ def temp_path(path: Path) -> Path:
     return path.with_name(f"{path.name}.partial-{host}-{os.getpid()}-{threading.get_native_id()}.tmp")
 
 
+def create_new(path: str | Path) -> int:
+    """A file descriptor of a new file at `path`, for writing. O_EXCL | O_NOFOLLOW: never a file, or a link,
+    already there (put at a temp name between two runs, or since). Mode 0o666 less the umask, as open() makes
+    it: the file's mode follows the umask like any other file's."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+
+
 def atomic_write(path: Path, write: Callable[[Any], None]) -> tuple[int, str]:
-    """Write `path` through a temp file, fsync, rename, fsync the directory; returns (size, sha256)."""
+    """Write `path` through a temp file, fsync, rename, fsync the directory; returns (size, sha256). A symbolic
+    link at `path` is replaced by the file, never written through; a folder, FIFO or device there is refused
+    (OutputPathError), not replaced."""
+    check_output(path, appended=False)
     tmp = temp_path(path)
+    raw = open(tmp, "wb", opener=lambda name, flags: create_new(name))  # before `try`: a name not ours stays
     writer = None
     try:
-        with open(tmp, "wb") as raw:  # a plain open: the file's mode follows the umask like any other file's
+        with raw:
             writer = _HashingWriter(raw)
             write(writer)
             raw.flush()

@@ -132,14 +132,16 @@ class MetricsFileWriter:
 
     def begin(self, start_step: int, total_steps: int) -> None:
         """A fresh run starts fresh files; a resumed one cuts its metrics back to `start_step`."""
+        from trainer.hardening.durable_files import OutputPathError  # see _write_status for why it is here
+        problem = self.path_problem()
+        if problem is not None:
+            raise OutputPathError(problem)
         self.metrics_file.parent.mkdir(parents=True, exist_ok=True)
         now, kept, job_id = time.time(), [], None
         if start_step > 0:
             kept = self._cut_back_to(start_step)
             if self.status_file.is_file():  # a resume keeps the job id (None if the file has none)
                 job_id = read_json(self.status_file.read_text(encoding="utf-8")).get("job_id")
-        else:
-            self.metrics_file.write_text("", encoding="utf-8")  # a fresh run starts a fresh file
         train = [r for r in kept if is_train_record(r)]
         best = min((r for r in train if is_finite_number(r["loss"])), key=lambda r: r["loss"], default=None)
         val = [r for r in kept if "val/loss" in r]
@@ -159,7 +161,7 @@ class MetricsFileWriter:
         if self.heartbeat_interval_s is not None:
             self.status.update(heartbeat=now, heartbeat_interval_s=self.heartbeat_interval_s,
                                last_step=None, last_step_at=None)
-        self.file = open(self.metrics_file, "a", encoding="utf-8")
+        self.file = self._open_metrics(truncate=start_step == 0)  # a fresh run starts a fresh file
         if start_step > 0:
             self._append({"event": "resume", "step": start_step, "timestamp": now})
         self._update_status()
@@ -186,7 +188,7 @@ class MetricsFileWriter:
         """Back at checkpoint `step`: later records will be logged again, but the anomaly stays."""
         self._cut_back_to(step)
         self.file.close()
-        self.file = open(self.metrics_file, "a", encoding="utf-8")
+        self.file = self._open_metrics()
         self._append({"event": "rollback", "step": step, "timestamp": time.time()})
         self._update_status(current_step=step, total_steps=total_steps)
 
@@ -205,6 +207,21 @@ class MetricsFileWriter:
                 return
             self.status.update(heartbeat=time.time(), last_step=last_step, last_step_at=last_step_at)
             self._write_status()
+
+    def path_problem(self) -> str | None:
+        """The one line refusing the metrics or status file's path (a link, FIFO, device or folder there for the
+        metrics file, which is appended to; a FIFO, device or folder for the status file, which is replaced), or
+        None. Checked before either file is opened."""
+        from trainer.hardening.durable_files import output_problem, refusal  # see _write_status for why
+        for path, appended in ((self.metrics_file, True), (self.status_file, False)):
+            problem = output_problem(path, appended)
+            if problem is not None:
+                return refusal(path, problem)
+        return None
+
+    def _open_metrics(self, truncate: bool = False) -> IO[str]:
+        from trainer.hardening.durable_files import open_to_append  # see _write_status for why it is here
+        return os.fdopen(open_to_append(self.metrics_file, truncate), "a", encoding="utf-8")
 
     def _cut_back_to(self, step: int) -> list[dict]:
         """Keep only records up to `step` (and anomaly events, which explain the rollback after them),

@@ -47,6 +47,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from trainer.hardening.checkpoint_io import STEP_FILE_NAME, TEMP_TAIL, CheckpointError, RunFiles, atomic_write_text
+from trainer.hardening.durable_files import create_new, output_problem
 from trainer.hardening.resume_checks import ConfigError
 
 LOCK_NAME = "trainer.lock"
@@ -57,6 +58,9 @@ OWN_TEMP = re.compile(r"^(trainer\.lock|.+_status\.json|.+_metrics\.jsonl)\.part
 
 def read_lock(path: Path) -> dict | None:
     """The holder's record, or None when there is no lock. A lock that is not ours to parse is an error."""
+    problem = output_problem(Path(path), appended=False)  # lstat first: reading a FIFO would wait for a writer
+    if problem is not None:
+        raise ConfigError(f"{path} {problem}, not a lock file of this trainer; move it away")
     try:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -144,7 +148,8 @@ class DirectoryLock:
             # the name exists (like O_EXCL), and a kill at any instant leaves no empty, unreadable lock.
             tmp = self.path.with_name(f"{LOCK_NAME}.partial-{self.record['host']}-{os.getpid()}.tmp")
             self.record["heartbeat"] = time.time()  # not the time we began waiting: a fresh lock from the start
-            with open(tmp, "w", encoding="utf-8") as f:
+            tmp.unlink(missing_ok=True)  # our name (host, pid): only a killed process that had our pid leaves one
+            with open(create_new(tmp), "w", encoding="utf-8") as f:
                 f.write(json.dumps(self.record) + "\n")
                 f.flush()
                 os.fsync(f.fileno())

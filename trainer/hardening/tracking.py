@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.hardening.checkpoint_io import atomic_write_text
+from trainer.hardening.durable_files import open_to_append, output_problem
 from trainer.hardening.metrics_files import MetricsFileWriter
 from trainer.hardening.resume_checks import ConfigError
 from trainer.hardening.run_lock import HEARTBEAT_S, LOCK_NAME, lock_lost
@@ -96,11 +97,13 @@ def trace_problem(path: Path, resuming: bool) -> str | None:
     resumed run continues the file only if it is a trace of this trainer (the first line says so here;
     cut_trace_back checks every line before it changes one)."""
     flag = f"--save_debug_train_output {path}"
-    if path.is_dir():
-        return f"{flag} is a directory: give the path of a file"
-    if not path.is_file() or path.stat().st_size == 0:  # nothing there yet, or a device such as /dev/stdout
+    problem = output_problem(path, appended=True)  # lstat first: a FIFO opened to read it would wait for a writer
+    if problem is not None:
+        return f"{flag} {problem}: give the path of a regular file (or of none yet); it was left as it is"
+    if not path.is_file() or path.stat().st_size == 0:  # nothing there yet
         return None
-    with open(path, "rb") as f:
+    # O_NONBLOCK | O_NOFOLLOW: a FIFO or link swapped in since the lstat neither blocks nor is followed here.
+    with open(path, "rb", opener=lambda name, flags: os.open(name, flags | os.O_NONBLOCK | os.O_NOFOLLOW)) as f:
         first = f.readline(1 << 20)  # a trace line is short; a data file's line may be long: no need to read it all
     try:
         is_trace = is_trace_record(json.loads(first))
@@ -151,6 +154,18 @@ def cut_trace_back(path: Path, step: int) -> None:
               f"(those steps are trained again)", flush=True)
 
 
+def refuse_on_every_rank(problem: str | None) -> None:
+    """Raise one ConfigError on every rank if any rank has a `problem` (None: it has none), so none waits in a
+    collective for a rank that left. Every rank must call it. Also a barrier."""
+    problems = [problem]
+    if dist.is_initialized():
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+    problems = list(dict.fromkeys(p for p in problems if p))  # ranks sharing a filesystem see the same problem
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
 def open_trace(path: Path, resuming: bool, start_step: int, is_main: bool) -> int:
     """The file descriptor every rank appends its trace lines to, once every rank has checked `path`
     (trace_problem) and rank 0 has cut a resumed run's trace back to `start_step`. A problem on any rank
@@ -162,16 +177,10 @@ def open_trace(path: Path, resuming: bool, start_step: int, is_main: bool) -> in
             cut_trace_back(path, start_step)
     except ConfigError as error:
         problem = str(error)
-    problems = [problem]
-    if dist.is_initialized():  # also the barrier: no rank appends before rank 0 has cut the file
-        problems = [None] * dist.get_world_size()
-        dist.all_gather_object(problems, problem)
-    problems = list(dict.fromkeys(p for p in problems if p))  # ranks sharing a filesystem see the same problem
-    if problems:
-        raise ConfigError("; ".join(problems))
+    refuse_on_every_rank(problem)  # also the barrier: no rank appends before rank 0 has cut the file
     path.parent.mkdir(parents=True, exist_ok=True)
     # Ranks append to one file with single write() calls of whole lines (O_APPEND keeps them intact).
-    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    return open_to_append(path)
 
 
 class Tracker:
@@ -186,6 +195,8 @@ class Tracker:
         self.files = MetricsFileWriter(args.metrics_dir or args.save_dir, name, heartbeat_interval_s=HEARTBEAT_S,
                                        lock_file=str(Path(args.checkpoint_dir).resolve() / LOCK_NAME)
                                        ) if "file" in loggers else None
+        # Before anything is written or a backend starts: rank 0's metrics and status paths, agreed by every rank.
+        refuse_on_every_rank(self.files.path_problem() if self.files is not None else None)
         self.runs = {}
         for backend in ("wandb", "swanlab"):  # the two clients share this API: init, log(dict, step=), finish
             if backend in loggers:
