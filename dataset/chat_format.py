@@ -222,7 +222,10 @@ class ChatEncoder:
         pieces = [(self.tag_ids.get(s.text) if s.is_tag else None, s.trained, s.text) for s in segments]
         for (tag_id, is_trained), run in groupby(pieces, key=lambda piece: piece[:2]):
             texts = [text for _, _, text in run]
-            new_ids = [tag_id] * len(texts) if tag_id is not None else self.text_tokenizer.encode("".join(texts)).ids
+            # encode_batch, not encode: the same ids, but it lets other threads run meanwhile (encode holds
+            # the GIL), so a server tokenizing a long prompt in a thread keeps answering its other clients.
+            new_ids = [tag_id] * len(texts) if tag_id is not None else \
+                self.text_tokenizer.encode_batch(["".join(texts)])[0].ids
             ids += new_ids
             trained += [is_trained] * len(new_ids)
         return ids, trained

@@ -383,8 +383,8 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Continue `input_ids` (batch, seq) by up to `max_new_tokens`; returns prompt + new tokens.
 
-        temperature <= 0 means greedy. A sequence stops at `eos_token_id` (None: never stop early);
-        in a batch, finished rows are padded with pad_token_id until all rows are done.
+        temperature < 1e-5 (0 included) means greedy. A sequence stops at `eos_token_id` (None: never stop
+        early); in a batch, finished rows are padded with pad_token_id until all rows are done.
         """
         was_training = self.training
         self.eval()
@@ -406,7 +406,9 @@ class CausalLM(nn.Module):
 
 def sample_next_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """Pick one token per row of `logits` (batch, vocab): greedy, or sampled after top-k / top-p."""
-    if temperature <= 0:
+    # Below 1e-5 sampling is greedy anyway (a logit gap of 0.001 becomes 100 nats), and a far smaller
+    # temperature would overflow the logits to inf, whose softmax is nan.
+    if temperature < 1e-5:
         return logits.argmax(dim=-1)
     logits = logits / temperature
     if top_k > 0:

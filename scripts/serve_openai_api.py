@@ -10,6 +10,11 @@ temperature and top_p default to eval_model.py's (greedy), its max_tokens to --m
          -d '{"messages": [{"role": "user", "content": "What is the capital of France?"}]}'
 
 Requests are served one at a time (one model, one lock); a client that disconnects stops its generation.
+So that no request holds the model for long, max_tokens may not exceed --max_tokens_limit (default 2048)
+and a reply ends, finish_reason "length", after --request_time_limit seconds (default 120) with the model.
+A prompt longer than the model was trained at (the max_seq_len in out/{weight}.json, which training writes
+beside the weights) is refused, or served with a warning in the log under --long_prompts warn: the model
+has not learned such positions. GET /v1/models states these limits.
 A bad request gets a 400 in OpenAI's error shape, naming the field.
 """
 
@@ -24,7 +29,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, NamedTuple
 
 if __package__ in (None, ""):  # run as a file (python scripts/x.py): make the repo's packages importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -43,17 +48,58 @@ from model.tokenizer import load_tokenizer
 
 
 class ChatRequest(BaseModel):
-    """The fields of OpenAI's chat request read here; others ("model", "n", ...) are ignored."""
+    """The fields of OpenAI's chat request read here; others ("model", "stop", ...) are ignored."""
     messages: list[dict] = Field(min_length=1)  # each checked by dataset/chat_format.py as the prompt is built
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(0.0, ge=0.0, le=2.0)  # 0 = greedy, as in eval_model.py
+    temperature: float = Field(0.0, ge=0.0, le=2.0)  # 0 = greedy, as in eval_model.py (and under 1e-5)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = 1  # choices: one per request is served, other values are refused rather than ignored
     stream: bool = False
+
+
+class Limits(NamedTuple):
+    """What one request may ask of the server; GET /v1/models lists them."""
+    max_tokens_default: int  # --max_new_tokens: max_tokens of a request that gives none
+    max_tokens_limit: int  # --max_tokens_limit: a larger max_tokens gets a 400
+    request_time_limit_s: float  # --request_time_limit: seconds of generation, then finish_reason "length"
+    trained_max_seq_len: int | None  # out/{weight}.json's max_seq_len; None: not recorded (minimind's weights)
+    long_prompts: str  # --long_prompts: "refuse" or "warn" a prompt longer than trained_max_seq_len
 
 
 def openai_error(status: int, message: str, param: str | None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": param,
                                    "code": None}}, status_code=status)
+
+
+def plain_messages(messages: list[dict]) -> list[dict]:
+    """OpenAI's messages in the schema dataset/chat_format.py checks: a content given as a list of text parts
+    becomes their texts joined by newlines, and `name` (the writer's name) is left out, as the chat template
+    has no place for it. Raises ValueError naming a part that is not text (an image, audio)."""
+    plain = []
+    for n, message in enumerate(messages, start=1):
+        if isinstance(message, dict):  # anything else is named by chat_format's check
+            message = {key: value for key, value in message.items() if key != "name"}
+            if isinstance(message.get("content"), list):
+                for k, part in enumerate(message["content"], start=1):
+                    if not (isinstance(part, dict) and part.get("type") == "text"
+                            and isinstance(part.get("text"), str)):
+                        raise ValueError(f'message {n}: content part {k} is not {{"type": "text", "text": "..."}}; '
+                                         f"this model reads text only")
+                message["content"] = "\n".join(part["text"] for part in message["content"])
+        plain.append(message)
+    return plain
+
+
+def trained_length(weight_file: Path) -> int | None:
+    """The max_seq_len the weights were trained at, from the .json training writes beside them
+    (checkpoint_io.write_out_weights); None where there is none (minimind's weights, or older ones)."""
+    sidecar = weight_file.with_suffix(".json")
+    if not sidecar.is_file():
+        return None
+    try:
+        return int(json.loads(sidecar.read_text(encoding="utf-8"))["max_seq_len"])
+    except (ValueError, KeyError, TypeError) as error:
+        raise RuntimeError(f'{sidecar} should hold {{"max_seq_len": N}} ({error!r}): fix or delete it') from None
 
 
 # ---- generation, token by token -----------------------------------------------------------------
@@ -62,10 +108,15 @@ class ClientGone(Exception):
     """Raised inside generate once the client has disconnected: it ends the generation there."""
 
 
+class TimeUp(Exception):
+    """Raised inside generate once the request has had the model for --request_time_limit seconds."""
+
+
 def generate_reply(model: CausalLM, prompt_ids: list[int], max_new_tokens: int, temperature: float,
-                   top_p: float, on_token: Callable[[int], None]) -> None:
+                   top_p: float, on_token: Callable[[int], None]) -> list[int]:
     """eval_model.generate_ids (CausalLM.generate, with its KV cache), telling `on_token` each token as it
-    is picked. generate feeds every token it picks back into the model but the last; a hook hears them."""
+    is picked; returns the ids. generate feeds every token it picks back into the model but the last; a
+    hook hears them."""
     heard: list[int] = []
 
     def hook(module, args, kwargs):
@@ -80,40 +131,54 @@ def generate_reply(model: CausalLM, prompt_ids: list[int], max_new_tokens: int, 
         handle.remove()
     for token in ids[len(heard):]:  # the last one (<|im_end|> is not in `ids`)
         on_token(token)
+    return ids
 
 
 async def reply_tokens(request: Request, lock: threading.Lock, model: CausalLM, prompt_ids: list[int],
-                       max_new_tokens: int, temperature: float, top_p: float) -> AsyncIterator[int]:
-    """The reply's ids as generate_reply picks them, in a thread that holds `lock`; the thread stops at its
-    next token once the client has gone."""
-    tokens: queue.Queue = queue.Queue()  # ids, then None (done) or the exception that ended generation
+                       max_new_tokens: int, temperature: float, top_p: float,
+                       time_limit_s: float) -> AsyncIterator[tuple[list[int], str | None]]:
+    """The reply as generate_reply writes it, in a thread that holds `lock`: (the ids picked since the last
+    yield, None) at least once a second (an empty list while another request has the model), then
+    ([], finish reason). The thread stops at its next token once the client has gone or the time is up."""
+    tokens: queue.Queue = queue.Queue()  # ids, then the finish reason or the exception that ended generation
     stop = threading.Event()
-
-    def on_token(token: int) -> None:
-        if stop.is_set():
-            raise ClientGone
-        tokens.put(token)
 
     def work() -> None:
         try:
             with lock:
-                generate_reply(model, prompt_ids, max_new_tokens, temperature, top_p, on_token)
-            tokens.put(None)
+                deadline = time.monotonic() + time_limit_s  # counted from here: the limit is on holding the model
+
+                def on_token(token: int) -> None:
+                    if stop.is_set():
+                        raise ClientGone
+                    tokens.put(token)
+                    if time.monotonic() > deadline:
+                        raise TimeUp
+
+                ids = generate_reply(model, prompt_ids, max_new_tokens, temperature, top_p, on_token)
+            # <|im_end|> is not in `ids`: fewer than allowed means the model wrote it
+            tokens.put("length" if len(ids) == max_new_tokens else "stop")
+        except TimeUp:
+            tokens.put("length")
         except Exception as error:  # ClientGone too, though no one reads it then
             tokens.put(error)
 
     threading.Thread(target=work, daemon=True).start()
     try:
         while not await request.is_disconnected():
+            items = []
             try:  # wake each second to look at the connection, also while another request has the model
-                item = await asyncio.to_thread(tokens.get, timeout=1.0)
+                items.append(await asyncio.to_thread(tokens.get, timeout=1.0))
+                while True:  # and take all that came meanwhile: one decode for them, one chunk
+                    items.append(tokens.get_nowait())
             except queue.Empty:
-                continue
-            if item is None:
+                pass
+            end = items.pop() if items and not isinstance(items[-1], int) else None
+            if isinstance(end, Exception):
+                raise end
+            yield items, end
+            if end is not None:
                 return
-            if isinstance(item, Exception):
-                raise item
-            yield item
     finally:  # finished, disconnected, or cancelled by the server when the client left a stream
         stop.set()
 
@@ -130,6 +195,13 @@ def split_reply(text: str) -> tuple[str, str]:
     return thought.strip("\n"), answer.lstrip("\n")
 
 
+def held_back(text: str) -> bool:
+    """Whether a stream waits before sending `text`, the reply so far: it ends inside a character (not all of
+    its bytes written yet), or it is whitespace and the start of "<think>", which may still open a think block
+    (split_reply reads such a reply apart). Whitespace followed by anything else is sent at once."""
+    return text.endswith("\ufffd") or "<think>".startswith(text.lstrip())
+
+
 def grown(parts: tuple[str, str], sent: tuple[str, str]) -> dict[str, str]:
     """A stream chunk's delta: what each part of the reply, (reasoning, answer), added to what was sent."""
     return {name: new[len(old):] for name, new, old in zip(("reasoning_content", "content"), parts, sent)
@@ -138,7 +210,7 @@ def grown(parts: tuple[str, str], sent: tuple[str, str]) -> dict[str, str]:
 
 # ---- the app ------------------------------------------------------------------------------------
 
-def create_app(model: CausalLM, tokenizer: Tokenizer, model_id: str, default_max_tokens: int) -> FastAPI:
+def create_app(model: CausalLM, tokenizer: Tokenizer, model_id: str, limits: Limits) -> FastAPI:
     app = FastAPI(title=model_id)
     lock = threading.Lock()  # one model: one generation at a time, the others wait their turn
     positions = model.config.max_position_embeddings
@@ -154,38 +226,53 @@ def create_app(model: CausalLM, tokenizer: Tokenizer, model_id: str, default_max
 
     @app.get("/v1/models")
     async def list_models() -> dict:
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "local"}]}
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "local",
+                                            **limits._asdict()}]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        try:  # the project's one chat template, as in training and eval_model.py
-            prompt_ids = chat_prompt_ids(tokenizer, body.messages)
+        if body.n != 1:
+            return openai_error(400, f"n: {body.n} asked; this server writes one choice per request (n=1): for "
+                                     f"several answers, send several requests", "n")
+        if (body.max_tokens or 0) > limits.max_tokens_limit:
+            return openai_error(400, f"max_tokens: {body.max_tokens} asked; this server writes at most "
+                                     f"{limits.max_tokens_limit} tokens per reply (--max_tokens_limit)", "max_tokens")
+        try:  # the project's one chat template, as in training and eval_model.py; in a thread, as a long
+            # prompt takes seconds to tokenize and the other clients are answered meanwhile
+            prompt_ids = await asyncio.to_thread(chat_prompt_ids, tokenizer, plain_messages(body.messages))
         except ValueError as error:
             return openai_error(400, f"messages: {error}", "messages")
         if len(prompt_ids) >= positions:
             return openai_error(400, f"messages: the prompt is {len(prompt_ids)} tokens and the model has "
                                      f"{positions} positions; shorten the conversation", "messages")
-        max_new_tokens = min(body.max_tokens or default_max_tokens, positions - len(prompt_ids))
-        tokens = reply_tokens(request, lock, model, prompt_ids, max_new_tokens, body.temperature, body.top_p)
+        trained = limits.trained_max_seq_len
+        if trained is not None and len(prompt_ids) > trained:
+            if limits.long_prompts == "refuse":
+                return openai_error(400, f"messages: the prompt is {len(prompt_ids)} tokens, longer than the "
+                                         f"{trained} the model was trained at; shorten the conversation (or start "
+                                         f"the server with --long_prompts warn)", "messages")
+            print(f"warning: a prompt of {len(prompt_ids)} tokens, longer than the {trained} the model was trained "
+                  f"at: its answer may be poor", file=sys.stderr, flush=True)
+        max_new_tokens = min(body.max_tokens or limits.max_tokens_default, positions - len(prompt_ids))
+        reply = reply_tokens(request, lock, model, prompt_ids, max_new_tokens, body.temperature, body.top_p,
+                             limits.request_time_limit_s)
         ids: list[int] = []
+        finish_reason = None  # stays None only for a client that left before the end
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_id}
 
         def usage() -> dict:
             return {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
                     "total_tokens": len(prompt_ids) + len(ids)}
 
-        def finish_reason() -> str:  # <|im_end|> is not in `ids`: fewer than allowed means the model wrote it
-            return "length" if len(ids) == max_new_tokens else "stop"
-
         if not body.stream:
-            async for token in tokens:
-                ids.append(token)
+            async for new, finish_reason in reply:
+                ids.extend(new)
             reasoning, content = split_reply(decode(ids))
             message = {"role": "assistant", "content": content}
             if reasoning:
                 message["reasoning_content"] = reasoning
             return {**head, "object": "chat.completion", "usage": usage(),
-                    "choices": [{"index": 0, "message": message, "finish_reason": finish_reason()}]}
+                    "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}]}
 
         def chunk(delta: dict, reason: str | None = None, **extra) -> str:
             data = {**head, "object": "chat.completion.chunk", **extra,
@@ -194,18 +281,21 @@ def create_app(model: CausalLM, tokenizer: Tokenizer, model_id: str, default_max
 
         async def events() -> AsyncIterator[str]:  # server-sent events, in OpenAI's chunk format
             yield chunk({"role": "assistant", "content": ""})
-            sent = ("", "")
-            async for token in tokens:
-                ids.append(token)
+            sent, written_at, finish_reason = ("", ""), time.monotonic(), None
+            async for new, finish_reason in reply:
+                ids.extend(new)
                 text = decode(ids)
-                # Held back: a character whose bytes are not all out yet, a reply that may still open <think>.
-                if not (text.endswith("\ufffd") or "<think>".startswith(text.lstrip())):
-                    if delta := grown(split_reply(text), sent):
-                        yield chunk(delta)
-                        sent = split_reply(text)
+                if not held_back(text) and (delta := grown(split_reply(text), sent)):
+                    yield chunk(delta)
+                    sent, written_at = split_reply(text), time.monotonic()
+                elif time.monotonic() - written_at >= 1.0:
+                    # Nothing to show yet (held back, whitespace the reply drops, or the model is busy): an SSE
+                    # comment, which clients skip, tells a client with a read timeout that the reply goes on.
+                    yield ": writing\n\n"
+                    written_at = time.monotonic()
             if delta := grown(split_reply(decode(ids)), sent):  # what was held back at the end
                 yield chunk(delta)
-            yield chunk({}, finish_reason(), usage=usage())
+            yield chunk({}, finish_reason, usage=usage())
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -221,15 +311,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1", help="127.0.0.1: this machine only; 0.0.0.0: the network too")
     p.add_argument("--port", type=int, default=8998)
     p.add_argument("--max_new_tokens", type=int, default=512, help="max_tokens of a request that gives none")
+    p.add_argument("--max_tokens_limit", type=int, default=2048, help="the largest max_tokens a request may ask")
+    p.add_argument("--request_time_limit", type=float, default=120.0,
+                   help="seconds a request may generate; then its reply ends, finish_reason length")
+    p.add_argument("--long_prompts", choices=("refuse", "warn"), default="refuse",
+                   help="a prompt longer than the model was trained at (out/{weight}.json): refuse it (400) or "
+                        "serve it with a warning in the log")
     args = p.parse_args(argv)
+    if not 1 <= args.max_new_tokens <= args.max_tokens_limit or args.request_time_limit <= 0:
+        p.error(f"need 1 <= --max_new_tokens ({args.max_new_tokens}) <= --max_tokens_limit "
+                f"({args.max_tokens_limit}) and --request_time_limit ({args.request_time_limit}) > 0")
     tokenizer = load_tokenizer(args.tokenizer_path)
     try:
         path = find_weight_file(Path(args.save_dir), args.weight, args.hidden_size, args.use_moe)
         model = load_model(args, tokenizer, torch.device(args.device), log=lambda line: print(line, file=sys.stderr))
+        trained = trained_length(path)
     except (FileNotFoundError, RuntimeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2  # an expected error exits 2, as in eval_model.py
-    uvicorn.run(create_app(model, tokenizer, path.stem, args.max_new_tokens), host=args.host, port=args.port)
+    limits = Limits(args.max_new_tokens, args.max_tokens_limit, args.request_time_limit, trained, args.long_prompts)
+    if trained is None:
+        print(f"note: no {path.with_suffix('.json').name} beside the weights tells the length the model was trained "
+              f"at: prompts are limited only by its {model.config.max_position_embeddings} positions", file=sys.stderr)
+    print(f"limits: {limits._asdict()}", file=sys.stderr)
+    uvicorn.run(create_app(model, tokenizer, path.stem, limits), host=args.host, port=args.port)
     return 0
 
 

@@ -4,7 +4,9 @@
 The served model is a tiny one fine-tuned for 40 steps on four demo questions (a few seconds on the
 CPU): it answers one of them properly, after an empty think block, and writes stray tags for
 others, so both readings of a reply are exercised. Greedy decoding makes every answer reproducible,
-so the server's answers are compared with eval_model.py's, computed in this process.
+so the server's answers are compared with eval_model.py's, computed in this process. The model was
+trained at --max_seq_len 48 (TINY_MODEL), so a longer prompt is refused; the server runs with a 4 s
+time limit per request, which the tests that ask for long replies reach.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -20,18 +23,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from openai import OpenAI
+from openai import APITimeoutError, BadRequestError, OpenAI
 
 import eval_model
 from conftest import REPO, child_env, free_port, run_args, train
 from model.tokenizer import load_tokenizer
-from scripts.serve_openai_api import split_reply
+from scripts.serve_openai_api import held_back, split_reply
 
 QUESTIONS = [json.loads(line)["conversations"] for line in
              (REPO / "dataset" / "sft_demo_eval.jsonl").read_text(encoding="utf-8").splitlines()[:5]]
 LEARNED = [QUESTIONS[i] for i in (0, 1, 3, 4)]  # next number, opposite (zh), animal sound (zh), addition
 FROG = [{"role": "user", "content": "青蛙怎么叫？"}]  # answered properly: "<think>\n\n</think>\n\n" + answer
 MAX_TOKENS = 24
+ENDLESS = [{"role": "user", "content": "What is 2+3?"}]  # answered by an empty think block, then newlines only
+TIME_LIMIT_S = 4  # --request_time_limit: longer than any reply but the ENDLESS ones; the model writes ~200 tokens/s
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +52,8 @@ def served(tmp_path_factory):
     port = free_port()
     log = open(root / "server.log", "w+")
     server = subprocess.Popen([sys.executable, str(REPO / "scripts" / "serve_openai_api.py"), *model_flags,
-                               "--port", str(port)], cwd=root, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
+                               "--port", str(port), "--max_tokens_limit", "30000", "--request_time_limit",
+                               str(TIME_LIMIT_S)], cwd=root, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 60
@@ -72,8 +78,8 @@ def served(tmp_path_factory):
             log.close()
 
 
-def client(base: str) -> OpenAI:
-    return OpenAI(base_url=f"{base}/v1", api_key="not-checked", max_retries=0, timeout=60)
+def client(base: str, timeout: float = 60) -> OpenAI:
+    return OpenAI(base_url=f"{base}/v1", api_key="not-checked", max_retries=0, timeout=timeout)
 
 
 def ask(base: str, messages: list[dict]) -> tuple[str, str | None, str, dict]:
@@ -186,4 +192,119 @@ def test_a_client_that_leaves_mid_stream_stops_its_generation(served):
             raise AssertionError("the stream ended before the model wrote anything")
     start = time.time()
     assert post(base, json.dumps({"messages": FROG, "max_tokens": 2}).encode())[0] == 200
-    assert time.time() - start < 20
+    assert time.time() - start < TIME_LIMIT_S - 1  # sooner than the time limit would have freed the model
+
+
+# ---- what the server holds to, whatever a request asks ---------------------------------------------
+
+def refusal(error: BadRequestError) -> tuple[str, str]:
+    """(param, message) of the OpenAI error in a 400 the client raised."""
+    return error.body["param"], error.body["message"]
+
+
+def test_a_tiny_temperature_is_greedy_and_no_sampling_setting_fails(served):
+    base, _ = served
+    tiny = client(base).chat.completions.create(model="full_sft", messages=FROG, temperature=1e-300,
+                                                max_tokens=MAX_TOKENS)
+    assert tiny.choices[0].message.content == ask(base, FROG)[0]
+    for temperature, top_p in [(1e-30, 1.0), (2.0, 1e-300), (2.0, 1.0)]:
+        reply = client(base).chat.completions.create(model="full_sft", messages=FROG, temperature=temperature,
+                                                     top_p=top_p, max_tokens=MAX_TOKENS)
+        assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_more_than_one_choice_is_refused_naming_n(served):
+    base, _ = served
+    with pytest.raises(BadRequestError) as refused:
+        client(base).chat.completions.create(model="full_sft", messages=FROG, n=3, max_tokens=2)
+    param, message = refusal(refused.value)
+    assert param == "n" and "one choice per request" in message
+    assert len(client(base).chat.completions.create(model="full_sft", messages=FROG, n=1, max_tokens=2).choices) == 1
+
+
+def test_the_limits_are_listed_and_max_tokens_above_the_ceiling_is_refused(served):
+    base, _ = served
+    [listed] = client(base).models.list().data
+    assert listed.model_extra == {"max_tokens_default": 512, "max_tokens_limit": 30000,
+                                  "request_time_limit_s": TIME_LIMIT_S, "trained_max_seq_len": 48,
+                                  "long_prompts": "refuse"}
+    with pytest.raises(BadRequestError) as refused:
+        client(base).chat.completions.create(model="full_sft", messages=FROG, max_tokens=30001)
+    param, message = refusal(refused.value)
+    assert param == "max_tokens" and "at most 30000" in message
+
+
+def test_a_request_past_the_time_limit_ends_with_length_and_frees_the_model(served):
+    base, _ = served
+    start = time.time()
+    # Unlimited, these 30,000 tokens would hold the model for minutes (and the 20 s client timeout would end it).
+    reply = client(base, timeout=20).chat.completions.create(model="full_sft", messages=ENDLESS, max_tokens=30000)
+    assert reply.choices[0].finish_reason == "length"
+    assert 0 < reply.usage.completion_tokens < 30000
+    assert TIME_LIMIT_S <= time.time() - start < TIME_LIMIT_S + 6
+    assert ask(base, FROG)[2] == "stop"  # the model is free again
+
+
+def test_the_model_list_answers_while_a_long_prompt_is_tokenized_and_a_reply_generated(served):
+    base, _ = served
+    models = client(base)
+    for body in ({"messages": [{"role": "user", "content": "ab " * 300_000}]},  # ~1 s of tokenizing, then a 400
+                 {"messages": ENDLESS, "max_tokens": 30000}):  # generation, up to the time limit
+        finished = {}
+
+        def send() -> None:
+            start = time.time()
+            finished["status"] = post(base, json.dumps(body).encode())[0]
+            finished["seconds"] = time.time() - start
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        waits = []
+        while sender.is_alive():
+            start = time.time()
+            models.models.list()
+            waits.append(time.time() - start)
+            time.sleep(0.05)
+        sender.join()
+        assert finished["status"] == (400 if "max_tokens" not in body else 200)
+        # Blocked, one list would have waited for most of the request.
+        assert len(waits) >= 3 and max(waits) < finished["seconds"] / 3, (waits, finished)
+
+
+def test_a_stream_that_has_nothing_to_show_yet_still_reaches_a_client_with_a_read_timeout(served):
+    base, _ = served
+    # The reply's answer is newlines only, which the whole reply drops too: nothing to send but that it goes on.
+    stream = client(base, timeout=2.5).chat.completions.create(model="full_sft", messages=ENDLESS, max_tokens=30000,
+                                                               stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_a_stream_holds_back_only_what_may_still_open_a_think_block():
+    assert held_back("") and held_back("\n\n") and held_back(" \n<thi") and held_back("<think")
+    assert held_back("caf\ufffd")  # the rest of a character's bytes is still to come
+    assert not held_back("\n\nHello") and not held_back(" <b") and not held_back("\n<think>\n")
+
+
+def test_a_prompt_longer_than_the_trained_length_is_refused_naming_it(served):
+    base, args = served
+    assert json.loads((Path(args.save_dir) / "full_sft_32.json").read_text()) == {"max_seq_len": 48}
+    long_question = [{"role": "user", "content": "Tell me a long story about " + "a red fox and " * 8}]  # 70 tokens
+    with pytest.raises(BadRequestError) as refused:
+        client(base).chat.completions.create(model="full_sft", messages=long_question, max_tokens=2)
+    param, message = refusal(refused.value)
+    assert param == "messages" and "70 tokens, longer than the 48 the model was trained at" in message
+
+
+def test_text_parts_and_a_name_are_read_as_openai_sends_them(served):
+    base, _ = served
+    parts = [{"role": "user", "name": "ana", "content": [{"type": "text", "text": FROG[0]["content"]}]}]
+    assert ask(base, parts) == ask(base, FROG)
+    two_parts = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}]
+    assert ask(base, two_parts) == ask(base, [{"role": "user", "content": "Hello\nthere"}])
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
+    with pytest.raises(BadRequestError) as refused:
+        client(base).chat.completions.create(model="full_sft", messages=image, max_tokens=2)
+    param, message = refusal(refused.value)
+    assert param == "messages" and "message 1: content part 1 is not" in message

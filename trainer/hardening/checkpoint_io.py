@@ -340,12 +340,21 @@ def cast_state_dict(state_dict: dict, dtype: torch.dtype) -> dict:
 def write_checkpoint_files(files: RunFiles, out_path: Path, state: dict, keep_last: int, info: dict) -> None:
     """Write `out/{run}.pth` (FP16 weights) and the verified resume checkpoint, from a CPU copy of the state."""
     weights = cast_state_dict(state["model"], torch.float16)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        atomic_write(out_path, lambda f: torch.save(weights, f))
+        write_out_weights(out_path, weights, state.get("train_args", {}))
     except OSError as error:
         raise CheckpointError(f"could not write {out_path}: {error}") from error
     save_verified(files, state, info["global_step"], keep_last, info)
+
+
+def write_out_weights(out_path: Path, weights: dict, train_args: dict) -> None:
+    """`out/{run}.pth`, the FP16 state dict, and beside it `out/{run}.json`, {"max_seq_len": N}: the length the
+    model was trained at, which its weights cannot tell (scripts/serve_openai_api.py refuses longer prompts).
+    The .pth stays a plain state dict, as minimind's loaders expect."""
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(out_path, lambda f: torch.save(weights, f))
+    if "max_seq_len" in train_args:  # absent only in a state saved without a RunSpec (some tests)
+        atomic_write_text(out_path.with_suffix(".json"), json.dumps({"max_seq_len": train_args["max_seq_len"]}) + "\n")
 
 
 def load_newest(files: RunFiles, resume_path: str | None, log: Callable[[str], None]) -> dict | None:

@@ -40,7 +40,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from trainer.hardening.background_save import finish_saves
 from trainer.hardening.checkpoint_io import (RunFiles, cast_state_dict, move_aside, point_resume_at,
                                              remove_earlier_manifest, rotate_after_save,
-                                             set_aside_unmanaged_resume_file)
+                                             set_aside_unmanaged_resume_file, write_out_weights)
 from trainer.hardening.durable_files import (CheckpointError, atomic_write, atomic_write_text, fsync_dir,
                                              manifest_of, manifest_path, one_line, remember_hash, sha256_of)
 from trainer.hardening.resume_checks import ConfigError
@@ -203,8 +203,7 @@ def _seal(files: RunFiles, directory: Path, write_slices: Callable[[], object], 
             atomic_write(train_state_file, lambda f: torch.save(train_state, f))
             names.append(train_state_file.name)
             if weights is not None:
-                out_path.parent.mkdir(parents=True, exist_ok=True)
-                atomic_write(out_path, lambda f: torch.save(cast_state_dict(weights, torch.float16), f))
+                write_out_weights(out_path, cast_state_dict(weights, torch.float16), train_state.get("train_args", {}))
         fsync_dir(directory)  # the names of this rank's files are durable too
         mine = {name: {"size": (directory / name).stat().st_size, "sha256": sha256_of(directory / name)}
                 for name in names}
