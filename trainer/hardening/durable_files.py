@@ -110,8 +110,10 @@ def temp_path(path: Path) -> Path:
     return path.with_name(f"{path.name}.partial-{host}-{os.getpid()}-{threading.get_native_id()}.tmp")
 
 
-def atomic_write(path: Path, write: Callable[[Any], None]) -> tuple[int, str]:
-    """Write `path` through a temp file, fsync, rename, fsync the directory; returns (size, sha256)."""
+def atomic_write(path: Path, write: Callable[[Any], None],
+                 before_rename: Callable[[], None] | None = None) -> tuple[int, str]:
+    """Write `path` through a temp file, fsync, rename, fsync the directory; returns (size, sha256).
+    `before_rename` may raise to stop the write there (a save checks that its run still holds the directory)."""
     tmp = temp_path(path)
     writer = None
     try:
@@ -120,6 +122,8 @@ def atomic_write(path: Path, write: Callable[[Any], None]) -> tuple[int, str]:
             write(writer)
             raw.flush()
             os.fsync(raw.fileno())  # the bytes must be on disk before the name points at them
+        if before_rename is not None:
+            before_rename()  # last, right before the name points at the new bytes
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except BaseException as error:
@@ -132,8 +136,8 @@ def atomic_write(path: Path, write: Callable[[Any], None]) -> tuple[int, str]:
     return writer.size, writer.sha256.hexdigest()
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+def atomic_write_text(path: Path, text: str, before_rename: Callable[[], None] | None = None) -> None:
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")), before_rename)
 
 
 def sha256_of(path: Path, cached: bool = False) -> str:
