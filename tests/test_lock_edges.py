@@ -1,13 +1,15 @@
-"""The lock's edges (trainer/hardening/run_lock.py): a run paused mid-save whose lock file is removed and whose
-directory a second run takes over at once. Resumed, the first run writes nothing more there (no metrics line in
+"""The lock's edges (trainer/hardening/run_lock.py): a run paused mid-save whose lock file is removed, and whose
+directory a second run takes over at once (or, as a requeued job does, once the paused run's heartbeat is stale).
+Resumed, the first run writes nothing more there (no metrics line in
 the second run's file, no commit of its in-flight save: out/ file, manifest, latest pointer) and exits 4 with the
 lost-lock line on every rank, within seconds: also mid a sharded (FSDP) background save, whose writer thread
 must not wait for a peer that will not come.
 
-Each test runs two 2-rank torchrun jobs, about 25 to 40 s on two CPU cores, so they run when
+Each test runs two 2-rank torchrun jobs, about 30 s on two CPU cores (90 s for the three), so they run when
 TRAINER_SLOW_TESTS=1 (CI's 15 minutes are full). tests/test_lock_lost.py keeps the fast checks in the suite.
 """
 
+import json
 import os
 import re
 import signal
@@ -27,11 +29,19 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRAINER_SLOW_TESTS") != "1",
                                 reason="about 30 s each on two CPU cores; set TRAINER_SLOW_TESTS=1 to run them")
 
 
+HEARTBEAT_S = 0.5  # the runs' TRAINER_HEARTBEAT_S: a paused run's heartbeat is stale after 2 s
+
+
 def flags(run, data, *extra: str) -> list[str]:
-    """One directory for everything (checkpoints, out/ file, metrics): one lock, removed by hand below."""
+    """One directory for everything (checkpoints, out/ file, metrics): one lock. The same command for both runs,
+    as a requeued job runs it: the same --run_id, so the second may take over a stale lock of the first."""
     return [*TINY_MODEL, "--data_path", str(data), "--save_dir", str(run), "--checkpoint_dir", str(run),
             "--metrics_dir", str(run), "--log_interval", "1", "--batch_size", "2", "--epochs", "1",
-            "--save_interval", "3", "--async_save", "1", *extra]
+            "--save_interval", "3", "--async_save", "1", "--run_id", "job-7", *extra]
+
+
+def env(**delays: float) -> dict:
+    return dict(slowed_env(**delays), TRAINER_HEARTBEAT_S=str(HEARTBEAT_S))
 
 
 def start(args: list[str], cwd, log_name: str, env: dict) -> subprocess.Popen:
@@ -40,12 +50,18 @@ def start(args: list[str], cwd, log_name: str, env: dict) -> subprocess.Popen:
                                 stderr=subprocess.STDOUT, text=True)
 
 
-def remove_the_lock_and_let_a_second_run_take_over(tmp_path, run, data, first, extra: list[str]) -> dict:
-    """With `first` paused mid-save: remove its lock, start a second run on the same directory, let it save
-    step 3, pause it. Returns every file of the directory then; the second run is left paused (killed at the end)."""
+def let_a_second_run_take_over(tmp_path, run, data, how: str, extra: list[str]) -> dict:
+    """With the first run paused mid-save: remove its lock (`how` "lock_removed") or make it look as if written
+    on another node ("heartbeat_stale": the second run waits for its heartbeat to go stale), start a second run
+    on the same directory, let it save step 3, pause it. Returns every file of the directory then, and the second
+    run, left paused (killed at the end)."""
     first_pid = read_status(status_path(run, PRETRAIN_RUN))["pid"]
-    (run / run_lock.LOCK_NAME).unlink()
-    second = start(flags(run, data, *extra), tmp_path, "second.log", slowed_env(step_delay_s=0.3))
+    lock = run / run_lock.LOCK_NAME
+    if how == "lock_removed":
+        lock.unlink()
+    else:  # seen from another node, only the job id and a stale heartbeat let a run take over (run_lock._why_gone)
+        lock.write_text(json.dumps({**run_lock.read_lock(lock), "host": "frozen-node"}))
+    second = start(flags(run, data, *extra), tmp_path, "second.log", env(step_delay_s=0.3))
 
     def second_saved_step_3() -> bool:  # its own checkpoint, where the first run's in-flight save was going
         status = read_status(status_path(run, PRETRAIN_RUN)) or {}
@@ -103,20 +119,21 @@ def test_a_run_paused_mid_save_whose_lock_was_removed_and_taken_writes_nothing_m
     run = tmp_path / "run"
     # Each save sleeps at each stage (fault_injection/sitecustomize.py): the first is paused while its out/ file
     # is being written, before the manifest and the latest pointer.
-    first = start(flags(run, pretrain_data), tmp_path, "first.log", slowed_env(step_delay_s=0.3, save_delay_s=4))
+    first = start(flags(run, pretrain_data), tmp_path, "first.log", env(step_delay_s=0.3, save_delay_s=4))
     wait_until(in_flight(run, rf"{PRETRAIN_RUN}\.pth\.partial-.+\.tmp"), first, 120)
     signal_job(first, signal.SIGSTOP)
-    taken = remove_the_lock_and_let_a_second_run_take_over(tmp_path, run, pretrain_data, first, [])
+    taken = let_a_second_run_take_over(tmp_path, run, pretrain_data, "lock_removed", [])
     resume_and_check_it_stops_without_writing(tmp_path, run, first, taken)
 
 
-def test_an_fsdp_run_paused_mid_background_save_whose_lock_was_taken_exits_4_on_every_rank(tmp_path, pretrain_data):
+@pytest.mark.parametrize("how", ["lock_removed", "heartbeat_stale"])
+def test_an_fsdp_run_paused_mid_background_save_whose_lock_was_taken_exits_4_on_every_rank(tmp_path, pretrain_data,
+                                                                                           how):
     run = tmp_path / "run"
     fsdp = ["--parallel", "fsdp"]
-    first = start(flags(run, pretrain_data, *fsdp), tmp_path, "first.log", slowed_env(step_delay_s=0.3,
-                                                                                       save_delay_s=4))
+    first = start(flags(run, pretrain_data, *fsdp), tmp_path, "first.log", env(step_delay_s=0.3, save_delay_s=4))
     wait_until(in_flight(run, r"step_00000003\.dcp"), first, 120)  # the sharded save's folder: being written
     signal_job(first, signal.SIGSTOP)
-    taken = remove_the_lock_and_let_a_second_run_take_over(tmp_path, run, pretrain_data, first, fsdp)
+    taken = let_a_second_run_take_over(tmp_path, run, pretrain_data, how, fsdp)
     resume_and_check_it_stops_without_writing(tmp_path, run, first, taken)
 

@@ -309,9 +309,10 @@ def lock_lost(read: bool = False) -> LockLost | None:
     return None
 
 
-def raise_if_lock_lost() -> None:
-    """Right before a save commits a file (an out/ file, a manifest, the latest pointer): the lock file is read."""
-    lost = lock_lost(read=True)
+def raise_if_lock_lost(read: bool = True) -> None:
+    """Right before a save commits a file (an out/ file, a manifest, the latest pointer): the lock file is read.
+    Without `read`, one os.stat (lock_lost): before the status file's rename, at every step and beat."""
+    lost = lock_lost(read)
     if lost is not None:
         raise lost
 
