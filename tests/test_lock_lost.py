@@ -117,10 +117,10 @@ def test_a_lock_removed_by_hand_is_lost_and_not_written_again(tmp_path, monkeypa
     files_before = [path.read_bytes() for path in (metrics_path(tmp_path, PRETRAIN_RUN),
                                                    status_path(tmp_path, PRETRAIN_RUN))]
     lock.path.unlink()
-    assert lock.lost() is None  # its own heartbeat is fresh: no file is read, as on every step
-    lock.beat()  # the heartbeat thread's next beat finds the file gone, and does not write it again
-    assert not lock.path.exists()
+    # Seen at the next write, though its own heartbeat is fresh: another run may create the lock at once.
     assert "was removed while this run held it" in lock.lost()
+    lock.beat()  # the heartbeat thread's next beat does not write it again
+    assert not lock.path.exists()
     assert str(run_lock.lock_lost()).startswith(f"lost {tmp_path}: {lock.path} was removed")
 
     saver = BackgroundSaver(background=False, pin_memory=False)  # the saver refuses: each step learns it so
@@ -142,8 +142,8 @@ def test_a_run_that_lost_its_lock_leaves_the_new_holders_lock_in_place(tmp_path)
     newer = {**run_lock.read_lock(lock.path), "pid": 4242, "host": "gpu-node-7", "token": "e" * 16,
              "heartbeat": time.time()}
     lock.path.write_text(json.dumps(newer))
-    assert lock.lost() is None  # no file read on a step while its own beat is fresh: a takeover needs it stale
-    assert "now names another trainer (pid 4242 on gpu-node-7" in lock.lost(read=True)  # a save reads the file
+    # Seen at the next write, though its own beat is fresh: the file is not the one it last read (os.stat)
+    assert "now names another trainer (pid 4242 on gpu-node-7" in lock.lost()
     lock.beat()
     lock.release()
     assert run_lock.read_lock(lock.path) == newer
@@ -157,10 +157,10 @@ def test_a_heartbeat_in_flight_when_the_run_releases_its_lock_does_not_write_the
     beat_read_the_file, write_now = threading.Event(), threading.Event()
     write = run_lock.atomic_write_text
 
-    def paused_write(path, text):
+    def paused_write(path, text, before_rename=None):
         beat_read_the_file.set()
         assert write_now.wait(30)
-        write(path, text)
+        write(path, text, before_rename)
 
     monkeypatch.setattr(run_lock, "atomic_write_text", paused_write)
     beat = threading.Thread(target=lock.beat)
@@ -174,3 +174,20 @@ def test_a_heartbeat_in_flight_when_the_run_releases_its_lock_does_not_write_the
     release.join(30)
     assert not beat.is_alive() and not release.is_alive()
     assert not lock.path.exists()
+
+
+def test_the_lock_is_read_only_when_its_file_changed_and_a_replaced_lock_is_seen_at_once(tmp_path, monkeypatch):
+    lock = run_lock.DirectoryLock(tmp_path, None, Lines())
+    lock.acquire()
+    reads = []
+    read = run_lock.read_lock_and_identity
+    monkeypatch.setattr(run_lock, "read_lock_and_identity", lambda path: reads.append(path) or read(path))
+    for _ in range(100):  # as on every metrics line: an os.stat, no read
+        assert lock.lost() is None
+    assert reads == []
+    lock.beat()  # the heartbeat reads the file before replacing it, and the new one after: then known again
+    assert lock.lost() is None and len(reads) == 2
+    # A takeover after a removal: another run's lock under the same name, written within the same second
+    os.unlink(lock.path)
+    lock.path.write_text(json.dumps({"host": "h", "pid": 1, "token": "f" * 16, "heartbeat": time.time()}))
+    assert "now names another trainer (pid 1 on h" in lock.lost()

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import (PRETRAIN_RUN, REPO, TINY_MODEL, Lines, assert_exit_code, child_env, free_port, launch_command,
                       read_trace, run_args, save, slowed_env, train, wait_until)
-from trainer.hardening import checkpoint_io as cio, run_lock
+from trainer.hardening import checkpoint_io as cio, directory_checks, run_lock
 from trainer.hardening.checkpoint_io import CheckpointError, RunFiles
 from trainer.hardening.resume_checks import ConfigError
 
@@ -157,7 +157,7 @@ def test_a_rank_that_cannot_see_rank_0s_directory_fails_fast(tmp_path, pretrain_
 def test_every_obstruction_is_named_in_one_line_and_nothing_is_changed(files, tmp_path):
     save(files, 2)
     out_path = tmp_path / "out" / "pretrain_32.pth"
-    assert run_lock.find_obstructions(files, out_path) == []
+    assert directory_checks.find_obstructions(files, out_path) == []
     files.failed_dir.write_text("a file where the folder for failed checkpoints goes")
     folders = [files.history_file(3), files.history_dir / "step_00000003.pth.json", files.latest_pointer, out_path]
     files.latest_pointer.unlink()
@@ -168,13 +168,13 @@ def test_every_obstruction_is_named_in_one_line_and_nothing_is_changed(files, tm
     files.resume_link.unlink()
     files.resume_link.mkdir()
     (files.history_dir / "notes").mkdir()  # not a name a save writes: not in the way
-    found = run_lock.find_obstructions(files, out_path)
+    found = directory_checks.find_obstructions(files, out_path)
     expected = [*folders, files.resume_link, files.failed_dir, files.history_file(4), files.history_file(5)]
     assert len(found) == len(expected)
     for path in expected:
         assert sum(line.startswith(f"{path} is ") for line in found) == 1, (path, found)
     with pytest.raises(CheckpointError) as caught:
-        run_lock.check_no_obstructions(files, out_path)
+        directory_checks.check_no_obstructions(files, out_path)
     message = str(caught.value)
     assert "\n" not in message and all(str(path) in message for path in expected)
     assert "Move them out of the way" in message
@@ -184,7 +184,7 @@ def test_every_obstruction_is_named_in_one_line_and_nothing_is_changed(files, tm
 def test_a_history_folder_that_is_a_file_is_an_obstruction(files, tmp_path):
     files.checkpoint_dir.mkdir()
     files.history_dir.write_text("not a folder")
-    assert run_lock.find_obstructions(files, tmp_path / "out" / "pretrain_32.pth") == [
+    assert directory_checks.find_obstructions(files, tmp_path / "out" / "pretrain_32.pth") == [
         f"{files.history_dir} is a file, where this run needs a folder"]
 
 
@@ -206,7 +206,7 @@ def test_stale_temp_files_of_the_run_are_removed_and_nothing_else(files, tmp_pat
         path.write_bytes(b"x")
     (files.history_dir / "step_00000005.pth.tmp").mkdir()  # not a file a write leaves: left alone
     log = Lines()
-    removed = run_lock.remove_stale_temp_files(files, out_dir, log)
+    removed = directory_checks.remove_stale_temp_files(files, out_dir, log)
     assert sorted(removed) == sorted(ours) and not any(path.exists() for path in ours)
     assert all(path.exists() for path in not_ours) and (files.history_dir / "step_00000005.pth.tmp").is_dir()
     assert len(log) == len(ours) and all(any(str(path) in line for line in log) for path in ours)

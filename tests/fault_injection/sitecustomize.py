@@ -82,10 +82,10 @@ def patch_durable_files(module) -> None:
     atomic_write = module.atomic_write
 
     @functools.wraps(atomic_write)
-    def slow_atomic_write(path, write):
+    def slow_atomic_write(path, write, before_rename=None):
         if path.name == FULL_DISK_NAME and DISK_IS_FULL_HERE:
             write = disk_full
-        return atomic_write(path, sleep_before(write, STAGE))  # the temp file is open and still empty
+        return atomic_write(path, sleep_before(write, STAGE), before_rename)  # the temp file is open and still empty
 
     module.atomic_write = slow_atomic_write
     module.atomic_write_text = sleep_before(module.atomic_write_text, STAGE)

@@ -9,12 +9,15 @@ next step's forward and backward, and the GPU makes the next optimizer step wait
 the device, through a step pre-hook on the optimizer) so no weight changes under the copy.
 At most one save is in flight: the next save and every exit path wait for it. A failed write is kept
 and re-raised by `wait()`; the loop checks `failed` at every step so all ranks stop together. A run that
-lost its directory lock to another run (run_lock.py) fails the same way, with LockLost: it may save no more.
+lost its directory lock to another run (run_lock.py) fails the same way, with LockLost: it may save no more,
+and `wait()` does not wait for a write in flight then (a sharded one may wait for a peer that has left: the
+thread is abandoned; it commits nothing, as it checks the lock before every commit).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable
 
 import torch
@@ -22,6 +25,8 @@ import torch.distributed as dist
 
 from trainer.hardening.checkpoint_io import CheckpointError
 from trainer.hardening.run_lock import LockLost, lock_lost, lost_on_another_rank
+
+WRITER_GRACE_S = 5.0  # once the lock is lost, how long wait() lets the writer end on its own (it should at once)
 
 
 class BackgroundSaver:
@@ -68,10 +73,19 @@ class BackgroundSaver:
         self.thread.start()
 
     def wait(self, raise_error: bool = True) -> None:
-        """Block until no write is in flight; raise the error of a write that failed (if `raise_error`)."""
-        if self.thread is not None:
-            self.thread.join()
-            self.thread = None
+        """Block until no write is in flight, or until the lock is lost (the write is then abandoned); raise the
+        error of a write that failed (if `raise_error`)."""
+        lost_at = None
+        while self.thread is not None and self.thread.is_alive():
+            self.thread.join(0.1)
+            if lost_at is None and lock_lost() is not None:
+                lost_at = time.monotonic()
+            if lost_at is not None and time.monotonic() - lost_at > WRITER_GRACE_S:
+                # Its thread may wait in a collective for a rank that has stopped (sharding._seal): a daemon
+                # thread, it ends with the process, which exits 4 at once (process_exit.run_script).
+                self.error = self.error or lock_lost()
+                break
+        self.thread = None
         if raise_error and self.failed:
             raise self.error
 
@@ -90,7 +104,9 @@ class BackgroundSaver:
         try:
             job()
         except BaseException as error:  # kept for wait(); the training thread decides what happens
-            self.error = error
+            # A write that failed because the directory is another run's now (its cleanup removed our temp file:
+            # "No such file") says that, not the error it met.
+            self.error = error if isinstance(error, LockLost) else lock_lost(read=True) or error
 
     def snapshot(self, state):
         """A copy of `state` whose tensors live in this saver's CPU buffers. Tensors that share storage

@@ -22,8 +22,8 @@ per process by (path, inode, size, mtime_ns): rotation reads a kept file once, n
 primitives (atomic writes, hashes, weights_only loads) are durable_files.py's; a sharded checkpoint's folder
 is verified and read by sharded_checkpoint.py, and written by sharding.py.
 
-At start, holding the directory lock, rank 0 removes the temp files of killed writes and checks that nothing
-but a file stands where a save must write (trainer/hardening/run_lock.py: `remove_stale_temp_files`, `check_no_obstructions`).
+At start, holding the directory lock, rank 0 removes the temp files of killed writes and checks that nothing but a
+file stands where a save must write (directory_checks.py: `remove_stale_temp_files`, `check_no_obstructions`).
 """
 
 from __future__ import annotations
@@ -86,25 +86,32 @@ def _written_at(path: Path) -> int:
         return 0
 
 
-def save_verified(files: RunFiles, state: dict, step: int, keep_last: int, info: dict) -> Path:
+def no_check() -> None:
+    """The `still_held` of a save whose directory no lock guards (tools, tests)."""
+
+
+def save_verified(files: RunFiles, state: dict, step: int, keep_last: int, info: dict,
+                  still_held: Callable[[], None] = no_check) -> Path:
     """Write `state` as the run's newest checkpoint, with `info` (epoch, samples...) in its manifest,
-    then rotate old ones away. Raises CheckpointError (older checkpoints untouched) if anything fails."""
+    then rotate old ones away. Raises CheckpointError (older checkpoints untouched) if anything fails. `still_held`
+    raises (run_lock.LockLost) once the run lost the directory: called before each rename, link and removal."""
     path = files.history_file(step)
     written = False  # True while `path` holds this save's bytes but nothing points at them yet
     try:
         files.history_dir.mkdir(parents=True, exist_ok=True)
-        size, sha = atomic_write(path, lambda f: torch.save(state, f))
+        size, sha = atomic_write(path, lambda f: torch.save(state, f), still_held)
         written = True
         remember_hash(path, sha)  # the hash just computed while writing: rotation need not read the file back
         manifest = {"file": path.name, "size": size, "sha256": sha, "step": step, **info}
-        atomic_write_text(manifest_path(path), json.dumps(manifest, indent=1) + "\n")
+        atomic_write_text(manifest_path(path), json.dumps(manifest, indent=1) + "\n", still_held)
         remove_earlier_manifest(path)
         check_written(path, size)
+        still_held()
         aside = set_aside_unmanaged_resume_file(files)
         if aside is not None:
             print(f"kept {files.resume_link.name}, which this project's checkpoints do not account for, as "
                   f"{aside} (this save writes {files.resume_link.name})", flush=True)
-        point_resume_at(files, path)
+        point_resume_at(files, path, still_held)
         written = False  # the resume link names it now: it is the newest checkpoint, keep it
     except (OSError, CheckpointError) as error:
         if written:  # a half-finished save: give its space back and leave no unverifiable newest file
@@ -114,6 +121,7 @@ def save_verified(files: RunFiles, state: dict, step: int, keep_last: int, info:
         raise CheckpointError(
             f"could not write checkpoint {path}: {error}. Older checkpoints in {files.history_dir} "
             f"are untouched; free space or fix permissions, then resume with --from_resume 1") from error
+    still_held()  # rotation deletes: not in a directory that is another run's now
     rotate_after_save(files, keep_last, path)
     return path
 
@@ -136,15 +144,16 @@ def check_written(path: Path, size: int) -> None:
         raise CheckpointError(f"{path} has {actual} bytes right after writing {size}")
 
 
-def point_resume_at(files: RunFiles, path: Path) -> None:
+def point_resume_at(files: RunFiles, path: Path, still_held: Callable[[], None] = no_check) -> None:
     """Make `path` the newest checkpoint: the resume link (a file) and the latest pointer name it. A sharded
     checkpoint (a folder) has no single file to link: a link to an older checkpoint of ours is removed."""
+    still_held()
     if path.is_dir():
         if files.resume_link.is_file() and is_managed(files, files.resume_link):
             files.resume_link.unlink()  # a second name of a kept history file: no bytes are lost
     else:
         link_resume_to(files, path)
-    atomic_write_text(files.latest_pointer, f"{files.history_dir.name}/{path.name}\n")
+    atomic_write_text(files.latest_pointer, f"{files.history_dir.name}/{path.name}\n", still_held)
 
 
 def remove_checkpoint(path: Path) -> None:
@@ -337,24 +346,27 @@ def cast_state_dict(state_dict: dict, dtype: torch.dtype) -> dict:
     return {name: converted.setdefault(t.data_ptr(), t.detach().to("cpu", dtype)) for name, t in state_dict.items()}
 
 
-def write_checkpoint_files(files: RunFiles, out_path: Path, state: dict, keep_last: int, info: dict) -> None:
-    """Write `out/{run}.pth` (FP16 weights) and the verified resume checkpoint, from a CPU copy of the state."""
+def write_checkpoint_files(files: RunFiles, out_path: Path, state: dict, keep_last: int, info: dict,
+                           still_held: Callable[[], None] = no_check) -> None:
+    """Write `out/{run}.pth` (FP16 weights) and the verified resume checkpoint (`still_held`: see save_verified)."""
     weights = cast_state_dict(state["model"], torch.float16)
     try:
-        write_out_weights(out_path, weights, state.get("train_args", {}))
+        write_out_weights(out_path, weights, state.get("train_args", {}), still_held)
     except OSError as error:
         raise CheckpointError(f"could not write {out_path}: {error}") from error
-    save_verified(files, state, info["global_step"], keep_last, info)
+    save_verified(files, state, info["global_step"], keep_last, info, still_held)
 
 
-def write_out_weights(out_path: Path, weights: dict, train_args: dict) -> None:
+def write_out_weights(out_path: Path, weights: dict, train_args: dict,
+                      still_held: Callable[[], None] = no_check) -> None:
     """`out/{run}.pth`, the FP16 state dict, and beside it `out/{run}.json`, {"max_seq_len": N}: the length the
     model was trained at, which its weights cannot tell (scripts/serve_openai_api.py refuses longer prompts).
     The .pth stays a plain state dict, as minimind's loaders expect."""
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(out_path, lambda f: torch.save(weights, f))
+    atomic_write(out_path, lambda f: torch.save(weights, f), still_held)
     if "max_seq_len" in train_args:  # absent only in a state saved without a RunSpec (some tests)
-        atomic_write_text(out_path.with_suffix(".json"), json.dumps({"max_seq_len": train_args["max_seq_len"]}) + "\n")
+        atomic_write_text(out_path.with_suffix(".json"), json.dumps({"max_seq_len": train_args["max_seq_len"]}) + "\n",
+                          still_held)
 
 
 def load_newest(files: RunFiles, resume_path: str | None, log: Callable[[str], None]) -> dict | None:

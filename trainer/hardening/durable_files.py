@@ -179,10 +179,12 @@ def create_new(path: str | Path) -> int:
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
 
 
-def atomic_write(path: Path, write: Callable[[Any], None]) -> tuple[int, str]:
+def atomic_write(path: Path, write: Callable[[Any], None],
+                 before_rename: Callable[[], None] | None = None) -> tuple[int, str]:
     """Write `path` through a temp file, fsync, rename, fsync the directory; returns (size, sha256). A symbolic
     link at `path` is replaced by the file, never written through; a folder, FIFO or device there is refused
-    (OutputPathError), not replaced."""
+    (OutputPathError), not replaced. `before_rename` may raise to stop the write there (a save checks that its
+    run still holds the directory)."""
     check_output(path, appended=False)
     tmp = temp_path(path)
     raw = open(tmp, "wb", opener=lambda name, flags: create_new(name))  # before `try`: a name not ours stays
@@ -193,6 +195,8 @@ def atomic_write(path: Path, write: Callable[[Any], None]) -> tuple[int, str]:
             write(writer)
             raw.flush()
             os.fsync(raw.fileno())  # the bytes must be on disk before the name points at them
+        if before_rename is not None:
+            before_rename()  # last, right before the name points at the new bytes
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except BaseException as error:
@@ -205,8 +209,8 @@ def atomic_write(path: Path, write: Callable[[Any], None]) -> tuple[int, str]:
     return writer.size, writer.sha256.hexdigest()
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+def atomic_write_text(path: Path, text: str, before_rename: Callable[[], None] | None = None) -> None:
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")), before_rename)
 
 
 def sha256_of(path: Path, cached: bool = False) -> str:

@@ -226,11 +226,10 @@ class MetricsFileWriter:
     def _cut_back_to(self, step: int) -> list[dict]:
         """Keep only records up to `step` (and anomaly events, which explain the rollback after them),
         rewritten atomically; returns what was kept."""
-        from trainer.hardening.checkpoint_io import atomic_write_text  # see _write_status for why it is here
         kept = [r for r in read_metrics(self.metrics_file)
                 if r.get("step", 0) <= step or r.get("event") == "anomaly"]
         if not self._lock_lost():
-            atomic_write_text(self.metrics_file, "".join(json_text(r) + "\n" for r in kept))
+            self._write_unless_lock_lost(self.metrics_file, "".join(json_text(r) + "\n" for r in kept))
         return kept
 
     def _append(self, record: dict) -> None:
@@ -243,7 +242,7 @@ class MetricsFileWriter:
     @staticmethod
     def _lock_lost() -> bool:
         """True once another run holds this run's directories: every write is skipped from then on."""
-        from trainer.hardening.run_lock import lock_lost  # see _write_status for why it is imported here
+        from trainer.hardening.run_lock import lock_lost  # see _write_unless_lock_lost for why it is imported here
         return lock_lost() is not None
 
     def _update_status(self, **fields) -> None:
@@ -253,9 +252,19 @@ class MetricsFileWriter:
 
     def _write_status(self) -> None:
         """Call with self.lock held."""
-        # Imported here so the readers above (watch and plot scripts) work on a machine without torch.
-        from trainer.hardening.checkpoint_io import atomic_write_text
         if self._lock_lost():  # e.g. the exit path's "failed": the file now tells of the new holder's run
             return
         self.status["updated"] = time.time()
-        atomic_write_text(self.status_file, json_text(self.status, indent=1) + "\n")
+        self._write_unless_lock_lost(self.status_file, json_text(self.status, indent=1) + "\n")
+
+    @staticmethod
+    def _write_unless_lock_lost(path: Path, text: str) -> None:
+        """Write `path`, checking the lock again right before the rename: this thread may have been paused (SIGSTOP)
+        after the caller's check, and the directory taken over meanwhile."""
+        # Imported here so the readers above (watch and plot scripts) work on a machine without torch.
+        from trainer.hardening.checkpoint_io import atomic_write_text
+        from trainer.hardening.run_lock import LockLost, raise_if_lock_lost
+        try:
+            atomic_write_text(path, text, lambda: raise_if_lock_lost(read=False))
+        except LockLost:
+            pass  # the file is the new holder's now; the run stops at its next step

@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import time
+from datetime import timedelta
 from typing import Callable
 
 import torch.distributed as dist
@@ -17,7 +18,7 @@ from dataset.jsonl_file import DataFileError
 from trainer.hardening.anomaly import AnomalyStop
 from trainer.hardening.durable_files import CheckpointError
 from trainer.hardening.resume_checks import ConfigError
-from trainer.hardening.run_lock import LockLost, release_held
+from trainer.hardening.run_lock import LockLost, lock_lost, release_held
 
 # What a user can cause and fix (bad data, a missing file, flags or a checkpoint that do not fit):
 # one message and exit code 2, not a traceback. Anything else is a bug and keeps its traceback.
@@ -36,6 +37,11 @@ def run_script(main: Callable[[], None]) -> None:
         message, code = f"stopping: {error}", 4
     except EXPECTED_ERRORS as error:
         message, code = f"error: {error}", 2
+    except RuntimeError as error:  # a collective broken by a peer that left: because this run lost its lock?
+        lost = lock_lost(read=True) if dist.is_initialized() else None
+        if lost is None:
+            raise
+        message, code = f"stopping: {lost}", 4
     # Here, outside the except blocks, the traceback (and the DDP model in main's frame) is gone.
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(message, file=sys.stdout if code == 3 else sys.stderr, flush=True)
@@ -44,7 +50,9 @@ def run_script(main: Callable[[], None]) -> None:
         sys.stdout.flush()
         release_held()  # os._exit skips atexit, where the directory lock is released otherwise
         os._exit(2)
-    cleanup_distributed(exit_code=code)  # an anomaly stop, a lost lock: agreed by all ranks, who leave together
+    # An anomaly stop, a lost lock: agreed by all ranks, who leave together. A lost lock may have left a peer
+    # waiting where this rank never comes (a save's collective): it is waited for a few seconds only.
+    cleanup_distributed(exit_code=code, barrier_timeout_s=LOST_LOCK_BARRIER_S if code == 4 else None)
     sys.exit(code)
 
 
@@ -58,7 +66,10 @@ def report_to_torchrun(message: str) -> None:
             json.dump({"message": message, "timestamp": int(time.time())}, f)
 
 
-def cleanup_distributed(exit_code: int = 0) -> None:
+LOST_LOCK_BARRIER_S = 10.0  # peers that stop on a lost lock arrive within a second or two
+
+
+def cleanup_distributed(exit_code: int = 0, barrier_timeout_s: float | None = None) -> None:
     """Tear the process group down; under torchrun, then end the process at once with `exit_code`.
 
     The DDP wrapper must be collected first: its reducer holds gloo/nccl work that aborts the process
@@ -68,8 +79,16 @@ def cleanup_distributed(exit_code: int = 0) -> None:
     gc.collect()
     if not dist.is_initialized():
         return
-    dist.barrier()
-    dist.destroy_process_group()
+    met = True
+    if barrier_timeout_s is None:
+        dist.barrier()
+    else:
+        try:
+            dist.barrier(async_op=True).wait(timeout=timedelta(seconds=barrier_timeout_s))
+        except RuntimeError:  # a peer did not come in time, or left: nothing more to agree on with it
+            met = False
+    if met:  # tearing the group down after a barrier that timed out could wait on the barrier's work
+        dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     release_held()  # the directory lock; os._exit skips atexit

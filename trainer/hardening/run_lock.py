@@ -20,12 +20,14 @@ killed writes' temp files and checks nothing obstructs the checkpoint paths; eve
 
 A run can lose its lock: paused (SIGSTOP, a frozen node) until its heartbeat went stale, and its job requeued
 meanwhile took the directory over; or the file was removed by hand. From the moment it sees that (`lock_lost`),
-it writes nothing more there: the saver refuses (background_save.py), the metrics and status files and the
-trace are left alone, and every rank raises LockLost at the same step; the run exits 4 with one line naming the
-new holder. Seeing it costs no file read on most steps: a takeover needs the heartbeat STALE_AFTER_S old, so
-while the last heartbeat written (rank 0) or read (the other ranks, which watch the checkpoint directory's
-lock) is younger than half that, no one can have taken the lock (the other half allows for clocks of nodes
-that disagree). A save reads the lock file first, whatever its age.
+it writes nothing more there: the saver refuses (background_save.py) and a save in flight commits nothing, the
+metrics and status files and the trace are left alone, and every rank raises LockLost at the same step; the run
+exits 4 with one line naming the new holder. The lock is checked before every write, and costs one `os.stat`:
+the lock file's identity (device, inode, mtime, size) is compared with the one this run last read and found its
+own. A removed lock is seen at once (a second run may take the directory at once: it needs no stale heartbeat),
+and so is a replaced or rewritten one (a takeover links a new file; then the file is read). The file is also read
+once the last heartbeat seen is half STALE_AFTER_S old (a network filesystem may cache what stat says), and by
+a save, right before each step of its commit (out/ file, manifest, latest pointer).
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ import re
 import secrets
 import shlex
 import socket
-import stat
 import sys
 import threading
 import time
@@ -46,7 +47,8 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from trainer.hardening.checkpoint_io import STEP_FILE_NAME, TEMP_TAIL, CheckpointError, RunFiles, atomic_write_text
+from trainer.hardening.checkpoint_io import CheckpointError, RunFiles, atomic_write_text
+from trainer.hardening.directory_checks import check_no_obstructions, remove_stale_temp_files
 from trainer.hardening.durable_files import create_new, output_problem
 from trainer.hardening.resume_checks import ConfigError
 
@@ -58,13 +60,24 @@ OWN_TEMP = re.compile(r"^(trainer\.lock|.+_status\.json|.+_metrics\.jsonl)\.part
 
 def read_lock(path: Path) -> dict | None:
     """The holder's record, or None when there is no lock. A lock that is not ours to parse is an error."""
+    return read_lock_and_identity(path)[0]
+
+
+def identity(status: os.stat_result) -> tuple:
+    """What changes when a file is removed and created again, replaced, or rewritten in place."""
+    return status.st_dev, status.st_ino, status.st_mtime_ns, status.st_size
+
+
+def read_lock_and_identity(path: Path) -> tuple[dict | None, tuple | None]:
+    """read_lock, and the identity of the very file read (fstat of the open file: no race with a rename)."""
     problem = output_problem(Path(path), appended=False)  # lstat first: reading a FIFO would wait for a writer
     if problem is not None:
         raise ConfigError(f"{path} {problem}, not a lock file of this trainer; move it away")
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with open(path, encoding="utf-8") as f:
+            seen, text = identity(os.fstat(f.fileno())), f.read()
     except FileNotFoundError:
-        return None
+        return None, None
     try:
         holder = json.loads(text)
         if not isinstance(holder, dict) or not {"host", "pid", "token"} <= set(holder):
@@ -72,7 +85,7 @@ def read_lock(path: Path) -> dict | None:
     except ValueError as error:
         raise ConfigError(f"{path} is not a lock file of this trainer ({error}); if no trainer uses this "
                           f"directory, remove it") from error
-    return holder
+    return holder, seen
 
 
 def process_start(pid: int) -> str | None:
@@ -134,7 +147,8 @@ class DirectoryLock:
                        "started": time.time(), "command": shlex.join(sys.argv), "job_id": job_id,
                        "heartbeat": time.time(), "token": secrets.token_hex(8)}
         self.held = False
-        self.fresh_until = 0.0  # no takeover is possible before this time (see the module docstring)
+        self.fresh_until = 0.0  # read the file again from this time on, whatever stat says (module docstring)
+        self.seen: tuple | None = None  # the identity of the lock file last read and found ours
         self.why_lost: str | None = None  # once the lock is seen lost: the line that says so
         self._beat_or_release = threading.Lock()  # else a beat could write the lock back after the release
 
@@ -175,7 +189,8 @@ class DirectoryLock:
                 self._remove_if_unchanged(holder)
                 continue
             tmp.unlink()
-            self.held, self.fresh_until = True, self.record["heartbeat"] + STALE_AFTER_S / 2
+            self.held = True
+            self._still_ours()  # its identity, for `lost`
             return
 
     def _why_gone(self, holder: dict) -> float | None:
@@ -216,17 +231,41 @@ class DirectoryLock:
             record = {**self.record, "heartbeat": time.time()}
             if not self._still_ours():
                 return
-            # No compare-and-swap on files: a takeover just after that read is written over; its holder then stops.
-            atomic_write_text(self.path, json.dumps(record) + "\n")
-            self.record, self.fresh_until = record, record["heartbeat"] + STALE_AFTER_S / 2
+            # No compare-and-swap on files: the rename checks that the file is still the one just read (a pause
+            # there, then a takeover, must not write over the new holder's lock); a takeover within the
+            # microseconds between that check and the rename is written over, and its holder then stops.
+            try:
+                atomic_write_text(self.path, json.dumps(record) + "\n", self._raise_if_changed)
+            except LockLost:
+                self._still_ours()  # says whose it is now
+                return
+            self.record = record
+            self._still_ours()  # the new file's identity (a step may read it first: then it is already known)
+
+    def _raise_if_changed(self) -> None:
+        try:
+            now = identity(os.stat(self.path))
+        except FileNotFoundError:
+            now = None
+        if now != self.seen:
+            raise LockLost(f"{self.path} changed")
 
     def lost(self, read: bool = False) -> str | None:
-        """None while the lock is this run's; else the line that says whose it is now. The file is read only
-        with `read`, or once the last heartbeat seen is old enough for a takeover to have happened since."""
-        if self.why_lost is None and (read or time.time() >= self.fresh_until):
+        """None while the lock is this run's; else the line that says whose it is now. One os.stat: the file is
+        read only when it is gone or changed since last read, with `read`, or once the last heartbeat seen is
+        half STALE_AFTER_S old."""
+        if self.why_lost is not None:
+            return self.why_lost
+        try:
+            changed = read or time.time() >= self.fresh_until or identity(os.stat(self.path)) != self.seen
+        except FileNotFoundError:
+            changed = True  # removed: no stale heartbeat is needed for another run to create it anew
+        except OSError:  # unreadable for now (a network filesystem's hiccup) is no sign of a takeover
+            changed = False
+        if changed:
             try:
                 self._still_ours()
-            except OSError:  # unreadable for now (a network filesystem's hiccup) is no sign of a takeover
+            except OSError:
                 pass
         return self.why_lost
 
@@ -235,12 +274,12 @@ class DirectoryLock:
         heartbeat ages); else remember that the lock is lost, and why, for good."""
         directory = self.path.parent
         try:
-            holder = read_lock(self.path)
+            holder, seen = read_lock_and_identity(self.path)
         except ConfigError as error:
             self.why_lost = f"lost {directory}: {error}"
         else:
             if holder is not None and holder["token"] == self.record["token"]:
-                self.fresh_until = float(holder.get("heartbeat", 0)) + STALE_AFTER_S / 2
+                self.seen, self.fresh_until = seen, float(holder.get("heartbeat", 0)) + STALE_AFTER_S / 2
                 return True
             self.why_lost = (
                 f"lost {directory}: {self.path} was removed while this run held it; this run wrote nothing more "
@@ -267,12 +306,20 @@ _stop_beating = threading.Event()
 
 def lock_lost(read: bool = False) -> LockLost | None:
     """LockLost, saying whose the directory is now, if this run lost a lock it holds or watches; else None.
-    Cheap enough for every step: a lock file is read only with `read` (before a save) or as DirectoryLock.lost says."""
+    Cheap enough for every write: an os.stat per lock; a file is read with `read` or as DirectoryLock.lost says."""
     for lock in _held + _watched:
         why = lock.lost(read)
         if why is not None:
             return LockLost(why)
     return None
+
+
+def raise_if_lock_lost(read: bool = True) -> None:
+    """Right before a save commits a file (an out/ file, a manifest, the latest pointer): the lock file is read.
+    Without `read`, one os.stat (lock_lost): before the status file's rename, at every step and beat."""
+    lost = lock_lost(read)
+    if lost is not None:
+        raise lost
 
 
 def lost_on_another_rank(rank: int) -> LockLost:
@@ -299,57 +346,6 @@ def _heartbeat_loop() -> None:
                 lock.beat()
             except OSError as error:  # a full disk: say so, the next beat tries again
                 lock.log(f"WARNING: could not write the heartbeat of {lock.path}: {error}")
-
-
-# ---- at start, holding the lock: what killed writes left, what stands where a save writes ---------------
-
-def find_obstructions(files: RunFiles, out_path: Path) -> list[str]:
-    """What stands where a save must write, one entry per path: a folder, fifo or broken link where a file
-    goes (history step files, the resume link, the latest pointer, the out/ file), a file where a folder goes."""
-    wanted = [(files.checkpoint_dir, True), (files.resume_link, False), (files.latest_pointer, False),
-              (files.history_dir, True), (files.failed_dir, True), (out_path.parent, True), (out_path, False)]
-    if files.history_dir.is_dir():
-        wanted += [(p, False) for p in sorted(files.history_dir.iterdir()) if STEP_FILE_NAME.match(p.name)]
-    found = []
-    for path, folder in wanted:
-        try:
-            mode = os.stat(path).st_mode  # follows links: a link to the right kind of thing is fine
-        except OSError as error:  # absent (or below a file, which is reported itself) is fine
-            if os.path.lexists(path):
-                found.append(f"{path} is a broken link" if isinstance(error, FileNotFoundError)
-                             else f"{path} cannot be examined ({error.strerror})")
-            continue
-        if not (stat.S_ISDIR(mode) if folder else stat.S_ISREG(mode)):
-            kind = "a folder" if stat.S_ISDIR(mode) else "a file" if stat.S_ISREG(mode) else "not a regular file"
-            found.append(f"{path} is {kind}, where this run needs a {'folder' if folder else 'file'}")
-    return found
-
-
-def check_no_obstructions(files: RunFiles, out_path: Path) -> None:
-    """Raise CheckpointError naming every obstruction (see find_obstructions): before training, not after."""
-    found = find_obstructions(files, out_path)
-    if found:
-        raise CheckpointError(f"cannot save checkpoints of {files.name}: {'; '.join(found)}. Move them out of the "
-                              f"way (they were left as they are) or use another --checkpoint_dir/--save_dir, then "
-                              f"run again")
-
-
-def remove_stale_temp_files(files: RunFiles, out_dir: Path, log: Callable[[str], None]) -> list[Path]:
-    """Remove the temp files of killed writes of this run: `NAME.partial-HOST-PID-TID.tmp` (and earlier
-    versions' `NAME.tmp`) for the names a save writes, in the checkpoint, history and out folders. Only
-    those: a user's file, or another run's, is never touched. Call it holding the directory lock."""
-    own_names = [(files.checkpoint_dir, f"{re.escape(files.resume_link.name)}|{re.escape(files.latest_pointer.name)}"),
-                 (files.history_dir, r"step_\d{8}\.(?:pth|json|pth\.json|dcp\.json)"),
-                 (Path(out_dir), re.escape(f"{files.name}.pth"))]
-    removed = []
-    for directory, names in own_names:
-        pattern = re.compile(f"^(?:{names}){TEMP_TAIL}$")
-        for entry in sorted(directory.iterdir()) if directory.is_dir() else []:
-            if pattern.match(entry.name) and entry.is_file() and not entry.is_symlink():
-                entry.unlink()
-                log(f"removed {entry}, left by a write that was killed")
-                removed.append(entry)
-    return removed
 
 
 def claim_run_directories(args, run_name: str, log: Callable[[str], None]) -> None:
@@ -394,7 +390,8 @@ def claim_run_directories(args, run_name: str, log: Callable[[str], None]) -> No
                               f"must see the same checkpoint directory (a shared filesystem such as NFS)")
     if rank != 0:  # rank 0 holds the lock; this rank watches it, so it too stops writing once it is lost
         watched = DirectoryLock(unique[0], None, log)
-        watched.record, watched.fresh_until = seen, float(seen["heartbeat"]) + STALE_AFTER_S / 2
+        watched.record = seen
+        watched._still_ours()  # the identity of the file it watches
         _watched.append(watched)
 
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from trainer.hardening import checkpoint_io, sharding
 from trainer.hardening.background_save import BackgroundSaver
 from trainer.hardening.checkpoint_io import CheckpointError, RunFiles
-from trainer.hardening.run_lock import LockLost, lock_lost, lost_on_another_rank
+from trainer.hardening.run_lock import LockLost, lock_lost, lost_on_another_rank, raise_if_lock_lost
 
 
 def gather_rng_states(global_step: int, rng_state: dict) -> list[dict]:
@@ -47,10 +47,8 @@ def write_checkpoint(files: RunFiles, state: dict, model, optimizer, out_path: P
                                      saver.gather_weights)
 
     def write_unless_lock_lost(copy: dict) -> None:  # in the writer's thread: the lock may be lost by now
-        lost = lock_lost(read=True)
-        if lost is not None:
-            raise lost
-        checkpoint_io.write_checkpoint_files(files, out_path, copy, saver.keep_last, info)
+        raise_if_lock_lost()  # and again right before each file is committed: a save takes seconds
+        checkpoint_io.write_checkpoint_files(files, out_path, copy, saver.keep_last, info, raise_if_lock_lost)
 
     saver.submit(state, write_unless_lock_lost)
     return files.history_file(info["global_step"])

@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, FileSystemReader
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 
 from trainer.hardening.durable_files import CheckpointError, load_file_trusted, one_line, sha256_of
@@ -86,6 +88,31 @@ class SafeReader(FileSystemReader):
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+class _CheckedFileSystem(FileSystem):
+    """DCP's file system, calling `before_write` before it creates a file or renames one."""
+
+    def __init__(self, before_write: Callable[[], None]):
+        super().__init__()
+        self.before_write = before_write
+
+    def create_stream(self, path, mode):
+        if "r" not in mode:
+            self.before_write()
+        return super().create_stream(path, mode)
+
+    def rename(self, path, new_path) -> None:
+        self.before_write()
+        super().rename(path, new_path)
+
+
+def checked_writer(directory: Path, before_write: Callable[[], None]) -> FileSystemWriter:
+    """DCP's writer of `directory` (with fsync) that calls `before_write` before each file it creates or renames: a
+    run that lost its directory lock (run_lock.py) raises there, and DCP writes no file into another run's folder."""
+    writer = FileSystemWriter(directory, sync_files=True)
+    writer.fs = _CheckedFileSystem(before_write)
+    return writer
 
 
 def verify_folder(directory: Path, manifest: dict, cached: bool) -> str | None:

@@ -44,6 +44,7 @@ from trainer.hardening.checkpoint_io import (RunFiles, cast_state_dict, move_asi
 from trainer.hardening.durable_files import (CheckpointError, atomic_write, atomic_write_text, fsync_dir,
                                              manifest_of, manifest_path, one_line, remember_hash, sha256_of)
 from trainer.hardening.resume_checks import ConfigError
+from trainer.hardening.run_lock import LockLost, lock_lost, lost_on_another_rank, raise_if_lock_lost
 
 # FSDP, DTensor and DCP take almost a second to import, in every process: a DDP run never imports them.
 # Each function that needs them imports them, from here:
@@ -163,7 +164,7 @@ def _write_sharded(files: RunFiles, step: int, tensors: dict, train_state: dict,
         files.history_dir.mkdir(parents=True, exist_ok=True)
         _clear_for_save(files, directory)
     dist.barrier(group=group)
-    writer = dcp.FileSystemWriter(directory, sync_files=True)  # fsync of every file; the folder's own below
+    writer = sharded_checkpoint.checked_writer(directory, raise_if_lock_lost)  # fsyncs; the folder: below
     if background:  # DCP copies the tensors to CPU memory now and writes them from its own thread
         try:
             write_slices = dcp.async_save(tensors, storage_writer=writer, process_group=group).result
@@ -200,19 +201,29 @@ def _seal(files: RunFiles, directory: Path, write_slices: Callable[[], object], 
         write_slices()  # this rank's .distcp files are written and fsynced; rank 0's .metadata too
         names = [p.name for p in directory.glob(f"__{rank}_*.distcp")] + ([".metadata"] if rank == 0 else [])
         if rank == 0:
-            atomic_write(train_state_file, lambda f: torch.save(train_state, f))
+            atomic_write(train_state_file, lambda f: torch.save(train_state, f), raise_if_lock_lost)
             names.append(train_state_file.name)
             if weights is not None:
-                write_out_weights(out_path, cast_state_dict(weights, torch.float16), train_state.get("train_args", {}))
+                write_out_weights(out_path, cast_state_dict(weights, torch.float16), train_state.get("train_args", {}),
+                                  raise_if_lock_lost)
         fsync_dir(directory)  # the names of this rank's files are durable too
         mine = {name: {"size": (directory / name).stat().st_size, "sha256": sha256_of(directory / name)}
                 for name in names}
+    except LockLost:  # from a check right before a commit: the gather below says it to every rank
+        problem = None
     except (Exception, dcp.CheckpointException) as error:  # every rank must reach the gather below, or the
         # others would wait on it. DCP's CheckpointException names the rank that failed; it reaches every rank.
         problem = one_line(error) if isinstance(error, dcp.CheckpointException) else f"rank {rank}: {one_line(error)}"
+    # Whether this rank still holds the directory goes into the gather, so every rank that reaches it stops alike.
+    # A rank whose peer will not come (stopped, or its writer stuck) is not waited for: the lost lock is seen by
+    # every training thread, which then stops waiting for this one (BackgroundSaver.wait).
+    lost = lock_lost(read=problem is not None)  # a failure may be the new holder's cleanup: read the file
     everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, (mine, problem), group=group)
-    problems = list(dict.fromkeys(p for _, p in everyone if p))  # DCP's failure: the same line from every rank
+    dist.all_gather_object(everyone, (mine, problem, lost is not None), group=group)
+    lost_on = [r for r, (_, _, lost_there) in enumerate(everyone) if lost_there]
+    if lost_on:  # the folder may be the new holder's by now: not ours to remove or to finish
+        raise lost or lost_on_another_rank(lost_on[0])
+    problems = list(dict.fromkeys(p for _, p, _ in everyone if p))  # DCP's failure: the same line from every rank
     if problems:
         if rank == 0:  # a half-written folder: its space back (a full disk), and a save of this step finds none
             shutil.rmtree(directory, ignore_errors=True)
@@ -222,22 +233,23 @@ def _seal(files: RunFiles, directory: Path, write_slices: Callable[[], object], 
     if rank != 0:
         return
     try:
-        listed = {name: entry for files_of_rank, _ in everyone for name, entry in files_of_rank.items()}
+        listed = {name: entry for files_of_rank, _, _ in everyone for name, entry in files_of_rank.items()}
         for name, entry in listed.items():  # the other ranks' hashes: rotation need not read their files here
             remember_hash(directory / name, entry["sha256"])
         manifest = {"file": directory.name, "format": "dcp", "torch": torch.__version__,
                     "world_size": len(everyone), "step": info["global_step"], **info, "files": listed}
-        atomic_write_text(manifest_path(directory), json.dumps(manifest, indent=1) + "\n")  # last
+        atomic_write_text(manifest_path(directory), json.dumps(manifest, indent=1) + "\n", raise_if_lock_lost)  # last
         remove_earlier_manifest(directory)
         aside = set_aside_unmanaged_resume_file(files)
         if aside is not None:
             print(f"kept {files.resume_link.name}, which this project's checkpoints do not account for, as {aside}",
                   flush=True)
-        point_resume_at(files, directory)
+        point_resume_at(files, directory, raise_if_lock_lost)
     except OSError as error:
         raise CheckpointError(f"could not write the manifest of {directory}: {error}. Older checkpoints in "
                               f"{files.history_dir} are untouched; free space or fix permissions, then resume "
                               f"with --from_resume 1") from error
+    raise_if_lock_lost()  # rotation deletes: not in a directory that is another run's now
     rotate_after_save(files, keep_last, directory)
 
 
