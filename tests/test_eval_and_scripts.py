@@ -168,6 +168,8 @@ def test_bench_prints_one_json_line_with_every_key(capsys):
     assert result["mfu"] == pytest.approx(result["tflops"] / 989, abs=1e-7)  # of 989 TFLOP/s; tflops is rounded
 
 
+@pytest.mark.skipif(os.environ.get("TRAINER_SLOW_TESTS") != "1",
+                    reason="about 60 s on two CPU cores (a benchmark's own check); set TRAINER_SLOW_TESTS=1 to run it (.ci/run does)")
 def test_bench_gpu_suite_runs_at_a_tiny_size_on_the_cpu(capsys, tmp_path):
     """The suite a GPU owner runs, shrunk: both shapes, bare step and real loop; compiled runs skipped off CUDA."""
     bench.main(["--suite", "gpu", "--tiny", "--device", "cpu", "--workdir", str(tmp_path)])
