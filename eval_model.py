@@ -14,15 +14,22 @@ file when --save_dir holds several of one --weight:
     python eval_model.py --weight full_sft --eval dataset/sft_demo_eval.jsonl --verbose
     # an MoE file: the top-k is the one size the weights cannot tell (default 1, as in minimind)
     python eval_model.py --weight full_sft --use_moe 1 --num_experts_per_tok 1
+    # loss per token and bits per byte on a file of the trainer's --val_data formats (text or SFT)
+    python eval_model.py --weight pretrain --bpb_data dataset/val_demo.jsonl
 
 The eval file uses the SFT format; the last message of each conversation must be the assistant's
 reference answer. Everything before it is the prompt, rendered by dataset/chat_format.py exactly as
 in training; the model's answer is what it writes after its <think>...</think> block.
+
+--bpb_data scores a file as the trainer's validation does (trainer/hardening/tracking.py): {"text": ...}
+lines as pretraining reads them, {"conversations": ...} lines as SFT does (the loss on the answers).
+Bits per byte, unlike the loss per token, compare models with different tokenizers.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import re
@@ -34,9 +41,11 @@ import torch
 from tokenizers import Tokenizer
 
 from dataset.chat_format import ChatEncoder, parse_conversation, render_segments
+from dataset.lm_dataset import PretrainDataset, SFTDataset
 from model.hf import load_project_weights
 from model.model import CausalLM
 from model.tokenizer import BOS_ID, EOS_ID, load_tokenizer
+from trainer.hardening.tracking import validation_loss
 from trainer.trainer_utils import REPO_ROOT
 
 
@@ -187,6 +196,26 @@ def format_accuracy(correct: int, total: int) -> str:
     return f"exact-match accuracy: {correct}/{total} = {percent:.1f}%"
 
 
+# ---- loss and bits per byte ------------------------------------------------------------------
+
+def score_file(model: CausalLM, tokenizer: Tokenizer, path: str | Path, max_seq_len: int) -> str:
+    """The loss per token and bits per byte of `model` on the JSONL file `path`, in one line. The file is read
+    by the trainer's dataset of its format (told by its first line), so the numbers are those --val_data gives."""
+    with open(path, encoding="utf-8") as f:
+        first = next((line for line in f if line.strip()), "")
+    try:
+        is_chat = "conversations" in json.loads(first)
+    except (ValueError, TypeError):  # not JSON, or not an object: the dataset's check names the line
+        is_chat = False
+    dataset = (SFTDataset if is_chat else PretrainDataset)(path, tokenizer, max_seq_len)
+    device = next(model.parameters()).device
+    # FP16 weights on a GPU: under autocast the loss is computed in FP32 (cross_entropy is on its FP32 list).
+    autocast = torch.autocast("cuda", dtype=torch.float16) if device.type == "cuda" else contextlib.nullcontext()
+    result = validation_loss(model, dataset, 8, device, autocast)
+    return (f"{path}: {result.bpb:.4f} bits per byte ({result.text_bytes} bytes of text), loss {result.loss:.4f} "
+            f"per token ({result.tokens} tokens)")
+
+
 # ---- interactive loop -----------------------------------------------------------------------
 
 def chat_loop(model: CausalLM, tokenizer: Tokenizer, args: argparse.Namespace, raw_text: bool,
@@ -243,6 +272,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     a("--prompt", default=None, help="answer this once and exit")
     a("--eval", default=None, help="SFT-format JSONL: report exact-match accuracy of greedy answers")
     a("--verbose", action="store_true", help="with --eval: print every wrong answer")
+    a("--bpb_data", default=None, help="JSONL of text or SFT lines: report the loss per token and bits per byte")
+    a("--max_seq_len", type=int, default=340, help="with --bpb_data: each record is cut to it, as in training")
     a("--temperature", type=float, default=0.0, help="0 = greedy")
     a("--top_p", type=float, default=1.0)
     a("--top_k", type=int, default=0, help="0 = no top-k cut")
@@ -255,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_arg_parser().parse_args(argv)
     torch.manual_seed(args.seed)
     tokenizer = load_tokenizer(args.tokenizer_path)
+    if args.bpb_data and not Path(args.bpb_data).is_file():  # said before the model is loaded
+        print(f"error: --bpb_data {args.bpb_data}: no such file", file=sys.stderr)
+        return 2
     try:
         # On stderr: stdout carries only the answers (a --prompt answer may be piped on).
         model = load_model(args, tokenizer, torch.device(args.device), log=lambda line: print(line, file=sys.stderr))
@@ -264,7 +298,13 @@ def main(argv: list[str] | None = None) -> int:
     # A pretrained model has never seen ChatML, so it is asked to continue plain text instead.
     raw_text = args.weight == "pretrain"
 
-    if args.eval:
+    if args.bpb_data:
+        try:
+            print(score_file(model, tokenizer, args.bpb_data, args.max_seq_len), flush=True)
+        except (OSError, ValueError) as error:  # no such file, a broken line (DataFileError is a ValueError)
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+    elif args.eval:
         if raw_text:
             print("note: --weight pretrain was not trained on chat; expect a low exact-match score", flush=True)
         records = read_jsonl(args.eval)

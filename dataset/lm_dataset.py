@@ -190,6 +190,7 @@ class SFTDataset(Dataset):
             if not 0.0 <= ratio <= 1.0:
                 raise ValueError(f"{name} is {ratio}; it is a probability, between 0 and 1")
         self.source = JsonlFile.shared(data_path, validate=_check_sft_record)
+        self.tokenizer = tokenizer  # the tokenizer of its ids (validation counts the bytes its tokens stand for)
         self.encoder = ChatEncoder(tokenizer)
         self.max_seq_len = max_seq_len
         self.system_prompt_ratio = system_prompt_ratio

@@ -348,20 +348,24 @@ class CausalLM(nn.Module):
         `labels` has the same shape as `input_ids` (position t holds the token itself); the shift by
         one happens here. Positions labelled -100 are ignored. `loss_reduction="mean"` averages over
         the counted tokens, `"sum"` adds them up (0.0 when none count), for callers that normalise
-        by the token count of a larger batch.
+        by the token count of a larger batch; `"none"` gives each position's loss, (batch, seq), 0.0
+        where ignored (validation weighs each by the bytes of its token: trainer/hardening/tracking.py).
         """
         hidden, new_cache, aux_loss = self.model(input_ids, past_key_values, use_cache)
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:
-            if loss_reduction not in ("mean", "sum"):
-                raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+            if loss_reduction not in ("mean", "sum", "none"):
+                raise ValueError(f"loss_reduction must be 'mean', 'sum' or 'none', got {loss_reduction!r}")
             # Shift the labels, not the logits: position t predicts labels[t + 1], the last predicts
             # nothing (-100). Slicing the logits would copy all of them; flatten(0, 1) is a view.
             # (Under autocast, cross_entropy computes in fp32, as it must for a sum over many tokens.)
             targets = F.pad(labels[:, 1:], (0, 1), value=-100).flatten()
-            loss = F.cross_entropy(logits.flatten(0, 1), targets, ignore_index=-100, reduction="sum")
-            if loss_reduction == "mean":
+            loss = F.cross_entropy(logits.flatten(0, 1), targets, ignore_index=-100,
+                                   reduction="none" if loss_reduction == "none" else "sum")
+            if loss_reduction == "none":
+                loss = loss.view(labels.shape)
+            elif loss_reduction == "mean":
                 # clamp: a batch with no counted token gives 0 instead of 0/0 = NaN.
                 loss = loss / (targets != -100).sum().clamp(min=1)
         return CausalLMOutput(

@@ -9,16 +9,18 @@ one with extra special tokens) as long as it has
 
 The model config (eos/pad ids), the datasets and the Hugging Face export all read these ids from
 here, so they are defined once. `text_only_copy` gives the datasets a copy that reads those
-tokens' text, written inside the data, as ordinary characters.
+tokens' text, written inside the data, as ordinary characters. `token_byte_lengths` says how many
+bytes of text each token stands for (validation's bits per byte divides by them).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
 
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, pre_tokenizers
 
 SPECIAL_TOKENS = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -57,3 +59,35 @@ def text_only_copy(tokenizer: Tokenizer) -> Tokenizer:
     copy = Tokenizer.from_str(json.dumps(config))
     copy.encode_special_tokens = True
     return copy
+
+
+@functools.lru_cache(maxsize=4)
+def token_byte_lengths(tokenizer: Tokenizer) -> tuple[int, ...]:
+    """For each token id, how many bytes of UTF-8 text the token stands for.
+
+    A vocabulary token of a byte-level tokenizer is written in the ByteLevel alphabet, one character per
+    byte (GPT-2's mapping of the 256 bytes to printable characters), so its length in characters is its
+    length in bytes, also for a token that holds part of a character ("中" is 3 bytes, maybe 3 tokens);
+    decoding it alone would not do: the decoder turns a partial character into U+FFFD, 3 bytes. An added
+    token (a chat tag such as <think>) stands for its text, as written in the rendered chat: the bytes of
+    its content, as a tokenizer without that token would spell it. The three ChatML tokens count 0: they
+    mark where a text or a message starts and ends (every tokenizer here has them, at the same places),
+    they are not text of the file. Raises ValueError for a tokenizer that is not byte-level.
+    """
+    config = json.loads(tokenizer.to_str())
+    if (config.get("decoder") or {}).get("type") != "ByteLevel":
+        raise ValueError("bits per byte needs a byte-level tokenizer (its decoder is ByteLevel, as "
+                         "trainer/train_tokenizer.py makes it); this one has decoder "
+                         f"{(config.get('decoder') or {}).get('type')}")
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    vocab, added = tokenizer.get_vocab(with_added_tokens=True), tokenizer.get_added_tokens_decoder()
+    lengths = [0] * (max(vocab.values()) + 1)
+    for token, token_id in vocab.items():
+        if token_id in added:
+            lengths[token_id] = 0 if token in SPECIAL_TOKENS else len(token.encode("utf-8"))
+        elif set(token) <= alphabet:
+            lengths[token_id] = len(token)
+        else:
+            raise ValueError(f"token {token_id} ({token!r}) is not written in the ByteLevel alphabet; bits per "
+                             f"byte needs a byte-level tokenizer")
+    return tuple(lengths)

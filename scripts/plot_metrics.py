@@ -1,6 +1,8 @@
-"""Draw a run's curves from its metrics file into a PNG: loss, learning rate, gradient norm.
+"""Draw a run's curves from its metrics file into a PNG: loss, bits per byte, learning rate, gradient norm.
 
-Three panels share the step axis. Validation loss (if any) is drawn over the training loss;
+The panels share the step axis. Validation loss (if any) is drawn over the training loss, and the
+validation's bits per byte (`val/bpb`, comparable across tokenizers) in a panel of its own below it
+(a file without them, from an older version, gets no such panel);
 dashed vertical lines mark where the run was resumed, dotted red ones where an anomaly was seen.
 Uses matplotlib's Agg renderer, so it works on a machine without a display (over ssh, in CI).
 The file's fields are described in trainer/hardening/metrics_files.py; a non-finite value (NaN or inf,
@@ -39,7 +41,16 @@ def values(records: list[dict], key: str) -> list[float]:
 
 
 def plot_metrics(records: list[dict], out_path: str | Path, run_name: str = "") -> Path:
-    """Write the three-panel figure of `records` (as read from a metrics file) to `out_path`."""
+    """Write the figure of `records` (as read from a metrics file) to `out_path`."""
+    figure = metrics_figure(records, run_name)
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out_path, dpi=110)
+    return out_path
+
+
+def metrics_figure(records: list[dict], run_name: str = "") -> Figure:
+    """The figure of `records`: loss, val bits per byte (if the file has them), LR and grad norm over the steps."""
     train = sorted((r for r in records if is_train_record(r)), key=lambda r: r["step"])
     if not train:
         raise ValueError("no training records (lines with 'step' and 'loss') to plot; "
@@ -47,17 +58,22 @@ def plot_metrics(records: list[dict], out_path: str | Path, run_name: str = "") 
     val = sorted((r for r in records if "val/loss" in r), key=lambda r: r["step"])
     resumes = [r["step"] for r in records if r.get("event") == "resume"]
     anomalies = [r["step"] for r in records if r.get("event") == "anomaly"]
+    bpb = [r for r in val if "val/bpb" in r]  # older files have none
     steps = [r["step"] for r in train]
 
     # A Figure with its own Agg canvas, not pyplot: no global state, no display needed.
-    figure = Figure(figsize=(9, 8), layout="constrained")
+    figure = Figure(figsize=(9, 10 if bpb else 8), layout="constrained")
     FigureCanvasAgg(figure)
-    loss_ax, lr_ax, grad_ax = figure.subplots(3, 1, sharex=True)
+    axes = list(figure.subplots(4 if bpb else 3, 1, sharex=True))
+    loss_ax, bpb_ax, lr_ax, grad_ax = axes if bpb else [axes[0], None, *axes[1:]]
 
     loss_ax.plot(steps, values(train, "loss"), label="train loss")
     if val:
         loss_ax.plot([r["step"] for r in val], values(val, "val/loss"), "o-", label="val/loss")
-    loss_ax.set_ylabel("loss")
+    loss_ax.set_ylabel("loss (nats per token)")
+    if bpb:  # the number to compare with a run of another tokenizer: the loss per token is not
+        bpb_ax.plot([r["step"] for r in bpb], values(bpb, "val/bpb"), "o-", color="tab:orange", label="val/bpb")
+        bpb_ax.set_ylabel("val bits per byte")
 
     lr_ax.plot(steps, values(train, "lr"), color="tab:green")
     lr_ax.set_ylabel("learning rate")
@@ -72,27 +88,30 @@ def plot_metrics(records: list[dict], out_path: str | Path, run_name: str = "") 
         grad_ax.set_yscale("log")
     grad_ax.set_xlabel("step (optimizer steps)")
 
-    for ax in (loss_ax, lr_ax, grad_ax):
-        for i, step in enumerate(resumes):
-            ax.axvline(step, color="gray", linestyle="--", linewidth=1,
-                       label="resume" if ax is loss_ax and i == 0 else None)
-        for i, step in enumerate(anomalies):
-            ax.axvline(step, color="red", linestyle=":", linewidth=1,
-                       label="anomaly" if ax is loss_ax and i == 0 else None)
-        ax.grid(alpha=0.3)
+    mark_events(axes, resumes, anomalies)
     loss_ax.legend(loc="upper right")
 
     title = run_name or "training run"
     figure.suptitle(f"{title}: {len(train)} log points up to step {steps[-1]}"
                     + (f", {len(resumes)} resume(s)" if resumes else ""))
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out_path, dpi=110)
-    return out_path
+    return figure
+
+
+def mark_events(axes: list, resumes: list[int], anomalies: list[int]) -> None:
+    """Dashed gray lines at the resumes, dotted red ones at the anomalies, on every panel (labelled on the first)."""
+    for ax in axes:
+        for i, step in enumerate(resumes):
+            ax.axvline(step, color="gray", linestyle="--", linewidth=1,
+                       label="resume" if ax is axes[0] and i == 0 else None)
+        for i, step in enumerate(anomalies):
+            ax.axvline(step, color="red", linestyle=":", linewidth=1,
+                       label="anomaly" if ax is axes[0] and i == 0 else None)
+        ax.grid(alpha=0.3)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Plot loss, lr and grad norm from a metrics JSONL file.")
+    parser = argparse.ArgumentParser(description="Plot loss, val bits per byte, lr and grad norm from a metrics "
+                                                 "JSONL file.")
     parser.add_argument("metrics_jsonl", type=Path)
     parser.add_argument("-o", "--out", type=Path, default=None, help="PNG to write (default: beside the input)")
     args = parser.parse_args(argv)

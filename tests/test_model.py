@@ -186,6 +186,9 @@ def test_loss_is_shifted_cross_entropy_over_unmasked_labels():
     torch.testing.assert_close(out.loss, expected)
     summed = model(ids, labels=labels, loss_reduction="sum").loss
     torch.testing.assert_close(summed, expected * (targets != -100).sum())
+    each = model(ids, labels=labels, loss_reduction="none").loss  # position t's loss of predicting labels[t + 1]
+    assert each.shape == ids.shape and not each[:, -1].any() and not each[0, :2].any()  # predicts nothing / -100
+    torch.testing.assert_close(each[:, :-1].reshape(-1), F.cross_entropy(logits, targets, reduction="none"))
 
 
 def test_sum_loss_of_fully_masked_batch_is_zero_not_nan():

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, child_env
-from scripts.plot_metrics import plot_metrics
+from scripts.plot_metrics import metrics_figure, plot_metrics
 from scripts.watch_run import render_summary
 from scripts.run_files import STATUS_FIELDS
 from trainer.hardening.metrics_files import MetricsFileWriter, read_metrics
@@ -146,6 +146,24 @@ def test_plot_script_writes_a_png_with_resumes_and_validation(tmp_path):
     by_path = run_script_by_path("plot_metrics.py", "pretrain_32_metrics.jsonl", cwd=tmp_path)  # default: beside it
     assert by_path.returncode == 0, by_path.stderr
     assert (tmp_path / "pretrain_32_metrics.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_plot_draws_val_bits_per_byte_in_a_panel_beside_the_loss_when_the_file_has_them(tmp_path):
+    writer = MetricsFileWriter(str(tmp_path), "run")
+    writer.begin(start_step=0, total_steps=8)
+    for step in range(1, 9):
+        writer.log({"step": step, "epoch": 0, "loss": 4.0 / step, "lr": 1e-3, "grad_norm": 1.0}, total_steps=8)
+        if step % 4 == 0:
+            writer.validation(step, 3.0 / step, 1.5 / step)
+    records = read_metrics(tmp_path / "run_metrics.jsonl")
+    loss_ax, bpb_ax, *_ = metrics_figure(records).axes
+    assert bpb_ax.get_ylabel() == "val bits per byte" and len(metrics_figure(records).axes) == 4
+    (line,) = bpb_ax.get_lines()
+    assert list(line.get_xdata()) == [4, 8] and list(line.get_ydata()) == [1.5 / 4, 1.5 / 8]
+    assert [label.get_text() for label in loss_ax.get_legend().get_texts()] == ["train loss", "val/loss"]
+    older = [{k: v for k, v in r.items() if k != "val/bpb"} for r in records]  # a file written before val/bpb
+    assert [ax.get_ylabel() for ax in metrics_figure(older).axes] == ["loss (nats per token)", "learning rate",
+                                                                     "grad norm"]
 
 
 def test_plot_draws_a_run_whose_loss_went_nan(tmp_path):

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (TINY_MODEL, events_of, launch_command, metrics_of, resume_file, run_args, slowed_env,
-                      status_of, trace_of, train)
+from conftest import (TINY_MODEL, events_of, launch_command, metrics_of, resume_file, run_args, slice_jsonl,
+                      slowed_env, status_of, trace_of, train)
 from benchmarks.soak_kill import kill_job
 from trainer.hardening.metrics_files import is_train_record
 
@@ -98,8 +98,8 @@ def leveldb_log_records(path: Path, header: bytes) -> list[bytes]:
     return records
 
 
-def wandb_offline_run(run_dir: Path) -> tuple[str, dict[int, float]]:
-    """(run id, {step: train/loss}) from an offline run's `run-ID.wandb` file."""
+def wandb_offline_run(run_dir: Path, key: str = "train/loss") -> tuple[str, dict[int, float]]:
+    """(run id, {step: value of `key`}) from an offline run's `run-ID.wandb` file."""
     from wandb.proto.wandb_internal_pb2 import Record
     run_id, losses = None, {}
     [store] = run_dir.glob("run-*.wandb")
@@ -110,13 +110,13 @@ def wandb_offline_run(run_dir: Path) -> tuple[str, dict[int, float]]:
             run_id = record.run.run_id
         elif kind == "history":
             for item in record.history.item:
-                if (item.key or "/".join(item.nested_key)) == "train/loss":
+                if (item.key or "/".join(item.nested_key)) == key:
                     losses[record.history.step.num] = float(item.value_json)
     return run_id, losses
 
 
-def swanlab_offline_run(run_dir: Path) -> tuple[str, dict[int, float]]:
-    """(run id, {step: train/loss}) from an offline run's `run-ID.swanlab` file."""
+def swanlab_offline_run(run_dir: Path, key: str = "train/loss") -> tuple[str, dict[int, float]]:
+    """(run id, {step: value of `key`}) from an offline run's `run-ID.swanlab` file."""
     from swanlab.proto.swanlab.record.v1.record_pb2 import Record
     run_id, losses = None, {}
     [store] = run_dir.glob("run-*.swanlab")
@@ -125,7 +125,7 @@ def swanlab_offline_run(run_dir: Path) -> tuple[str, dict[int, float]]:
         kind = record.WhichOneof("record_type")
         if kind == "start":
             run_id = record.start.id
-        elif kind == "scalar" and record.scalar.key == "train/loss":
+        elif kind == "scalar" and record.scalar.key == key:
             losses[record.scalar.step] = record.scalar.value.number
     return run_id, losses
 
@@ -137,7 +137,9 @@ def offline_runs(pattern_dir: Path, pattern: str, read) -> list[tuple[str, str, 
 
 def test_wandb_and_swanlab_offline_get_the_metrics_file_steps_and_keep_their_run_ids_on_resume(
         tmp_path, pretrain_data):
-    args = job_args(tmp_path, pretrain_data, "--logger", "console,file,wandb,swanlab", "--save_interval", "2")
+    val = slice_jsonl(pretrain_data, tmp_path / "val.jsonl", 3)
+    args = job_args(tmp_path, pretrain_data, "--logger", "console,file,wandb,swanlab", "--save_interval", "2",
+                    "--val_data", str(val), "--eval_interval", "3")
     env = dict(WANDB_DIR=tmp_path, SWANLAB_LOGDIR=tmp_path / "swanlog")
     train("train_pretrain.py", None, [*args, "--max_steps", "4"], tmp_path, **env)
     first_ids = resume_file(tmp_path)["tracker_ids"]
@@ -155,6 +157,15 @@ def test_wandb_and_swanlab_offline_get_the_metrics_file_steps_and_keep_their_run
         first, resumed = runs[0][2], runs[1][2]
         assert sorted(first) == [1, 2, 3, 4] and sorted(resumed) == list(range(5, 20)), name
         assert {**first, **resumed} == file_losses, name
+    # The validation's bits per byte reach both trackers too (each invocation's last step is validated)
+    file_bpb = {r["step"]: r["val/bpb"] for r in metrics_of(tmp_path) if "val/bpb" in r}
+    assert sorted(file_bpb) == [3, 4, 6, 9, 12, 15, 18, 19]
+    for name, read, runs_dir, pattern in (("wandb", wandb_offline_run, tmp_path / "wandb", "offline-run-*"),
+                                          ("swanlab", swanlab_offline_run, tmp_path / "swanlog", "run-*")):
+        logged = {}
+        for run_dir in sorted(runs_dir.glob(pattern)):
+            logged.update(read(run_dir, "val/bpb")[1])
+        assert logged == pytest.approx(file_bpb), name
 
 
 def test_swanlab_logger_starts_when_the_script_is_run_by_path(tmp_path, pretrain_data):

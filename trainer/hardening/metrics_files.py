@@ -5,10 +5,12 @@ over ssh, a plot script, `tail -f`, `jq`), with no server or account.
     {metrics_dir}/{run}_status.json     one small JSON object: status, progress, latest numbers
 
 Every metrics line has `step` (the optimizer step) and `timestamp` (Unix seconds); a training line
-adds loss, lr, grad_norm, tokens_per_s...; a validation line `val/loss`; an event line `event` =
-"resume", "anomaly" (with `reason`) or "rollback". The status file has job_id (`{run}-{UTC start of the
-first invocation, YYYYmmdd-HHMMSS}`, kept on resume as the wandb/SwanLab id is), status (in RUN_STATES),
-current_step (the last logged, or the checkpoint's after a resume or rollback), total_steps,
+adds loss, lr, grad_norm, tokens_per_s...; a validation line `val/loss` (nats per token) and `val/bpb`
+(bits per byte of the text scored, comparable across tokenizers; trainer/hardening/tracking.py:
+validation_loss); an event line `event` = "resume", "anomaly" (with `reason`) or "rollback". The status
+file has job_id (`{run}-{UTC start of the first invocation, YYYYmmdd-HHMMSS}`, kept on resume as the
+wandb/SwanLab id is), status (in RUN_STATES), current_step (the last logged, or the checkpoint's after a
+resume or rollback), total_steps,
 anomaly_detected (in any invocation), anomaly_reason and anomaly_step (the latest), latest_metrics (the
 latest training line), run_name, epoch, best_loss, best_step, latest_val, resumed_from (this
 invocation's checkpoint step, or null), started (this invocation's start), updated (the latest write),
@@ -175,8 +177,10 @@ class MetricsFileWriter:
         self._update_status(current_step=metrics["step"], epoch=metrics.get("epoch"), latest_metrics=record,
                             total_steps=total_steps)
 
-    def validation(self, step: int, loss: float) -> None:
-        record = {"step": step, "val/loss": loss, "timestamp": time.time()}
+    def validation(self, step: int, loss: float, bpb: float | None = None) -> None:
+        """The loss per token and, if given, the bits per byte (`val/bpb`) of a validation at `step`."""
+        record = {"step": step, "val/loss": loss, **({"val/bpb": bpb} if bpb is not None else {}),
+                  "timestamp": time.time()}
         self._append(record)
         self._update_status(latest_val=record)
 

@@ -1,5 +1,5 @@
 """Where a run's numbers go (console, metrics/status files, wandb, SwanLab, the debug trace), and the
-validation loss.
+validation loss and bits per byte.
 
 The loop calls one object, `Tracker`: `step` for every optimizer step (when the steps since the last
 wait are judged: step_judge.py), `log` at log steps, and
@@ -23,10 +23,12 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from model.tokenizer import token_byte_lengths
 from trainer.hardening.checkpoint_io import atomic_write_text
 from trainer.hardening.durable_files import open_to_append, output_problem
 from trainer.hardening.metrics_files import MetricsFileWriter
@@ -61,12 +63,30 @@ def format_duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m{seconds % 60:02d}s"
 
 
+class Validation(NamedTuple):
+    """One pass over the whole validation file (all ranks)."""
+    loss: float  # mean loss per target token, in nats
+    bpb: float  # bits per UTF-8 byte of the text those tokens stand for (NaN: no byte of text among them)
+    tokens: int  # target tokens (labels other than -100)
+    text_bytes: int  # the bytes of text they stand for
+
+
 @torch.no_grad()
-def validation_loss(model: torch.nn.Module, dataset, batch_size: int, device: torch.device, autocast) -> float:
-    """Mean loss per token over the whole validation file; each rank takes every world_size-th sample."""
+def validation_loss(model: torch.nn.Module, dataset, batch_size: int, device: torch.device, autocast) -> Validation:
+    """The loss per token and the bits per byte over the whole validation file; each rank takes every
+    world_size-th sample. `dataset.tokenizer` is the tokenizer its ids come from.
+
+    Bits per byte (nanochat's val_bpb): the nats of the target tokens that stand for text / ln 2 / the bytes
+    of that text (model/tokenizer.py: token_byte_lengths). However a tokenizer cuts a text, its bytes and the
+    information in them are the same, so runs with different tokenizers compare on it, as they cannot on the
+    loss per token. The structure tokens (<|im_start|>, <|im_end|>, padding: 0 bytes) count in the loss
+    and not in the bits per byte, as in nanochat.
+    """
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    was_training = model.training
     model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, token count
+    token_bytes = torch.tensor(token_byte_lengths(dataset.tokenizer), device=device)  # counted on the device
+    totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, tokens, text's loss sum, text's bytes
     indices = list(range(rank, len(dataset), world_size))
     batches = math.ceil(math.ceil(len(dataset) / world_size) / batch_size)  # the same on every rank: FSDP needs it
     for start in range(0, batches * batch_size, batch_size):
@@ -74,14 +94,21 @@ def validation_loss(model: torch.nn.Module, dataset, batch_size: int, device: to
         if not rows:  # this rank's share ran out: one row whose labels are all ignored adds nothing
             rows = [(dataset[0][0], torch.full_like(dataset[0][1], -100))]
         labels = torch.stack([r[1] for r in rows]).to(device)
-        with autocast:
-            totals[0] += model(torch.stack([r[0] for r in rows]).to(device), labels=labels,
-                               loss_reduction="sum").loss.double()
-        totals[1] += (labels[:, 1:] != -100).sum()
+        with autocast:  # position t's loss is that of predicting labels[:, t + 1]; the last predicts nothing
+            losses = model(torch.stack([r[0] for r in rows]).to(device), labels=labels,
+                           loss_reduction="none").loss[:, :-1].double()
+        targets = labels[:, 1:]
+        counted = targets != -100
+        nbytes = torch.where(counted, token_bytes[targets.clamp(min=0)], 0)  # (clamp: -100 is no index)
+        # torch.where, not a boolean index: that would wait for the device to count the rows it keeps.
+        totals += torch.stack([losses.sum(), counted.sum().double(), torch.where(nbytes > 0, losses, 0.0).sum(),
+                               nbytes.sum().double()])
     if dist.is_initialized():
         dist.all_reduce(totals)
-    model.train()
-    return (totals[0] / totals[1].clamp(min=1)).item()
+    model.train(was_training)  # eval_model.py scores a model in eval mode and keeps it so
+    loss_sum, tokens, text_loss_sum, text_bytes = totals.tolist()  # the one wait for the device
+    bpb = text_loss_sum / math.log(2) / text_bytes if text_bytes else math.nan
+    return Validation(loss_sum / max(tokens, 1), bpb, int(tokens), int(text_bytes))
 
 
 def is_trace_record(record) -> bool:
@@ -270,13 +297,15 @@ class Tracker:
         for run in self.runs.values():
             run.log({f"train/{k}": v for k, v in metrics.items() if k != "step"}, step=step)
 
-    def validation(self, step: int, loss: float) -> None:
+    def validation(self, step: int, result: Validation) -> None:
+        """`result` of validation_loss at `step`: the loss per token and the bits per byte."""
         if self.console:
-            print(f"validation at step {step}: val/loss {loss:.4f}", flush=True)
+            print(f"validation at step {step}: val/loss {result.loss:.4f} val/bpb {result.bpb:.4f} "
+                  f"({result.tokens} tokens, {result.text_bytes} bytes of text)", flush=True)
         if self.files is not None:
-            self.files.validation(step, loss)
+            self.files.validation(step, result.loss, result.bpb)
         for run in self.runs.values():
-            run.log({"val/loss": loss}, step=step)
+            run.log({"val/loss": result.loss, "val/bpb": result.bpb}, step=step)
 
     def anomaly(self, step: int, reason: str) -> None:
         if self.files is not None:
