@@ -4,7 +4,7 @@ Face export, and lm-eval, the standard harness, run on that export: the same ite
 One tiny model with random weights (fixed seed) is made once for the module: the comparison is of the
 scoring, not of the model's knowledge. The items are chosen so that its picks differ from item to item
 and from metric to metric, so a scorer that differs from lm-eval anywhere shows here. The lm-eval run
-takes about 40 s on two CPU cores, so it runs when TRAINER_SLOW_TESTS=1 (as in .ci/run).
+takes 25 to 45 s on two CPU cores, so it runs when TRAINER_SLOW_TESTS=1 (as in .ci/run).
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ metric_list:
 
 
 @pytest.mark.skipif(os.environ.get("TRAINER_SLOW_TESTS") != "1",
-                    reason="lm-eval takes about 40 s on two CPU cores; set TRAINER_SLOW_TESTS=1 to run it")
+                    reason="lm-eval takes 25 to 45 s on two CPU cores; set TRAINER_SLOW_TESTS=1 to run it")
 def test_lm_eval_on_the_export_scores_like_eval_choices(tiny):
     root = tiny["root"]
     tasks = root / "tasks"
