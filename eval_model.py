@@ -16,6 +16,9 @@ file when --save_dir holds several of one --weight:
     python eval_model.py --weight full_sft --use_moe 1 --num_experts_per_tok 1
     # loss per token and bits per byte on a file of the trainer's --val_data formats (text or SFT)
     python eval_model.py --weight pretrain --bpb_data dataset/val_demo.jsonl
+    # multiple-choice accuracy by log-likelihood, as lm-eval scores ARC or C-Eval (eval_choices.py)
+    python eval_model.py --weight pretrain --mc_data my_choices.jsonl
+    python eval_model.py --hf_model hf_model --mc_data my_choices.jsonl   # a scripts/export_hf.py folder
 
 The eval file uses the SFT format; the last message of each conversation must be the assistant's
 reference answer. Everything before it is the prompt, rendered by dataset/chat_format.py exactly as
@@ -42,6 +45,8 @@ from tokenizers import Tokenizer
 
 from dataset.chat_format import ChatEncoder, parse_conversation, render_segments
 from dataset.lm_dataset import PretrainDataset, SFTDataset
+from eval_choices import choice_loglikelihoods, format_choice_scores, load_hf_model, picks, read_choice_items, \
+    score_choices
 from model.hf import load_project_weights
 from model.model import CausalLM
 from model.tokenizer import BOS_ID, EOS_ID, load_tokenizer
@@ -216,6 +221,31 @@ def score_file(model: CausalLM, tokenizer: Tokenizer, path: str | Path, max_seq_
             f"per token ({result.tokens} tokens)")
 
 
+# ---- multiple-choice evaluation --------------------------------------------------------------
+
+def evaluate_choices(args: argparse.Namespace) -> int:
+    """--mc_data: score every item of the file by log-likelihood (eval_choices.py) and print the accuracies."""
+    device = torch.device(args.device)
+    try:
+        items = read_choice_items(args.mc_data)  # a bad line is reported before a model is loaded
+        if args.hf_model:
+            model, encode = load_hf_model(args.hf_model, device)
+        else:
+            tokenizer = load_tokenizer(args.tokenizer_path)
+            model = load_model(args, tokenizer, device, log=lambda line: print(line, file=sys.stderr))
+            encode = lambda text: tokenizer.encode(text).ids  # noqa: E731 (adds no special token, as the export's)
+    except (FileNotFoundError, RuntimeError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    lls = choice_loglikelihoods(model, encode, items, model.config.max_position_embeddings, args.batch_size)
+    if args.verbose:
+        for n, (item, item_lls) in enumerate(zip(items, lls), start=1):
+            print(f"#{n}: answer {item.answer}, picked {picks(item, item_lls)}, log-likelihoods "
+                  f"{[round(ll, 4) for ll in item_lls]}")
+    print(format_choice_scores(score_choices(items, lls), len(items)), flush=True)
+    return 0
+
+
 # ---- interactive loop -----------------------------------------------------------------------
 
 def chat_loop(model: CausalLM, tokenizer: Tokenizer, args: argparse.Namespace, raw_text: bool,
@@ -271,7 +301,11 @@ def build_arg_parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("--prompt", default=None, help="answer this once and exit")
     a("--eval", default=None, help="SFT-format JSONL: report exact-match accuracy of greedy answers")
-    a("--verbose", action="store_true", help="with --eval: print every wrong answer")
+    a("--verbose", action="store_true", help="with --eval: print every wrong answer; with --mc_data: every item")
+    a("--mc_data", default=None, help='JSONL of {"question", "choices", "answer"}: multiple-choice accuracy '
+                                      "by log-likelihood (eval_choices.py)")
+    a("--hf_model", default=None, help="with --mc_data: score this Hugging Face model folder instead of out/*.pth")
+    a("--batch_size", type=int, default=16, help="with --mc_data: texts per forward pass")
     a("--bpb_data", default=None, help="JSONL of text or SFT lines: report the loss per token and bits per byte")
     a("--max_seq_len", type=int, default=340, help="with --bpb_data: each record is cut to it, as in training")
     a("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -283,7 +317,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_arg_parser().parse_args(argv)
+    parser = build_arg_parser()
+    args = parser.parse_args(argv)
+    if args.hf_model and not args.mc_data:
+        parser.error("--hf_model is read only with --mc_data")
+    if args.mc_data:
+        return evaluate_choices(args)
     torch.manual_seed(args.seed)
     tokenizer = load_tokenizer(args.tokenizer_path)
     if args.bpb_data and not Path(args.bpb_data).is_file():  # said before the model is loaded
