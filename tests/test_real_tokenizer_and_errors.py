@@ -7,6 +7,8 @@ chat with eval_model.py and the Hugging Face export all run on it, as real proce
 
 from __future__ import annotations
 
+import os
+
 import json
 import subprocess
 import sys
@@ -47,6 +49,8 @@ def run(command: list, cwd: Path) -> subprocess.CompletedProcess:
     return result
 
 
+@pytest.mark.skipif(os.environ.get("TRAINER_SLOW_TESTS") != "1",
+                    reason="about 35 s on two CPU cores; set TRAINER_SLOW_TESTS=1 to run it (.ci/run does)")
 def test_a_6400_token_tokenizer_with_extra_specials_trains_chats_and_exports(tmp_path, big_tokenizer, pretrain_data,
                                                                               sft_data):
     common = ["--tokenizer_path", str(big_tokenizer), "--save_dir", str(tmp_path / "out"), "--checkpoint_dir",
