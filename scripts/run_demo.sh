@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole pipeline on a laptop-class CPU in a few minutes:
-#   demo data -> pretrain -> SFT -> exact-match eval -> one chat answer -> loss curves.
+#   demo data -> pretrain -> SFT -> before-and-after table -> one chat answer -> loss curves.
 # Sizes are small on purpose (a ~1M-parameter model, 0.59M with --quick); the flags are the same on a GPU.
 #
 #   bash scripts/run_demo.sh                  # 4 layers, 3 epochs of each training: 9 minutes on a quiet 2-core CPU
@@ -59,8 +59,8 @@ python trainer/train_full_sft.py "${SIZE[@]}" --max_seq_len 192 --batch_size 32 
     --epochs "$sft_epochs" --log_interval 50 --save_interval 200
 stop_if_stopped full_sft_128
 
-echo "== 4. exact-match accuracy on held-out questions"
-python eval_model.py --weight full_sft "${SIZE[@]}" --eval dataset/sft_demo_eval.jsonl
+echo "== 4. before and after: random weights, pretrained, SFT on held-out data (scripts/demo_table.py)"
+python scripts/demo_table.py "${SIZE[@]}"
 
 echo "== 5. chat"
 python eval_model.py --weight full_sft "${SIZE[@]}" --prompt "What is the capital of France?"
@@ -68,3 +68,4 @@ python eval_model.py --weight full_sft "${SIZE[@]}" --prompt "3加4等于几？"
 
 echo "== 6. loss curves"
 python scripts/plot_metrics.py out/pretrain_128_metrics.jsonl -o out/pretrain_128_curves.png
+echo "== done in $((SECONDS / 60)) min $((SECONDS % 60)) s; the curves: out/pretrain_128_curves.png"
