@@ -6,6 +6,8 @@
 #   bash scripts/run_demo.sh                  # 4 layers, 3 epochs of each training: 9 minutes on a quiet 2-core CPU
 #   bash scripts/run_demo.sh --quick          # the same six stages at about a third of the cost: 2 layers, 1 epoch
 #                                             # of pretraining and 2 of SFT: about 3.5 minutes there
+#                                             # (both times measured before stage 4 printed its table; --quick with
+#                                             # it: 9.6 minutes while other work shared the two cores)
 #   bash scripts/run_demo.sh --check_machine  # only the check below: is the machine busy or small?
 #
 # It first looks at the machine: on fewer than 2 cores, or with a 1-minute load average of half the cores or
