@@ -50,7 +50,7 @@ from eval_choices import choice_loglikelihoods, format_choice_scores, load_hf_mo
 from model.hf import load_project_weights
 from model.model import CausalLM
 from model.tokenizer import BOS_ID, EOS_ID, load_tokenizer
-from trainer.hardening.tracking import validation_loss
+from trainer.hardening.tracking import Validation, validation_loss
 from trainer.trainer_utils import REPO_ROOT
 
 
@@ -204,8 +204,15 @@ def format_accuracy(correct: int, total: int) -> str:
 # ---- loss and bits per byte ------------------------------------------------------------------
 
 def score_file(model: CausalLM, tokenizer: Tokenizer, path: str | Path, max_seq_len: int) -> str:
-    """The loss per token and bits per byte of `model` on the JSONL file `path`, in one line. The file is read
-    by the trainer's dataset of its format (told by its first line), so the numbers are those --val_data gives."""
+    """The loss per token and bits per byte of `model` on the JSONL file `path`, in one line."""
+    result = file_loss(model, tokenizer, path, max_seq_len)
+    return (f"{path}: {result.bpb:.4f} bits per byte ({result.text_bytes} bytes of text), loss {result.loss:.4f} "
+            f"per token ({result.tokens} tokens)")
+
+
+def file_loss(model: CausalLM, tokenizer: Tokenizer, path: str | Path, max_seq_len: int) -> Validation:
+    """The loss per token and bits per byte of `model` on the JSONL file `path`. The file is read by the
+    trainer's dataset of its format (told by its first line), so the numbers are those --val_data gives."""
     with open(path, encoding="utf-8") as f:
         first = next((line for line in f if line.strip()), "")
     try:
@@ -216,9 +223,7 @@ def score_file(model: CausalLM, tokenizer: Tokenizer, path: str | Path, max_seq_
     device = next(model.parameters()).device
     # FP16 weights on a GPU: under autocast the loss is computed in FP32 (cross_entropy is on its FP32 list).
     autocast = torch.autocast("cuda", dtype=torch.float16) if device.type == "cuda" else contextlib.nullcontext()
-    result = validation_loss(model, dataset, 8, device, autocast)
-    return (f"{path}: {result.bpb:.4f} bits per byte ({result.text_bytes} bytes of text), loss {result.loss:.4f} "
-            f"per token ({result.tokens} tokens)")
+    return validation_loss(model, dataset, 8, device, autocast)
 
 
 # ---- multiple-choice evaluation --------------------------------------------------------------

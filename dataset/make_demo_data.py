@@ -4,8 +4,9 @@
     python dataset/make_demo_data.py --seed 1 --out_dir /tmp/demo
 
 Writes pretrain_demo.jsonl ({"text"}), val_demo.jsonl (held-out pretrain-style text),
-sft_demo.jsonl ({"conversations"}) and sft_demo_eval.jsonl (SFT format; the last message
-is the reference answer, plus "task", "lang" and "held_out" fields for reports).
+sft_demo.jsonl ({"conversations"}), sft_demo_eval.jsonl (SFT format; the last message
+is the reference answer, plus "task", "lang" and "held_out" fields for reports) and
+mc_demo.jsonl (the eval's questions as multiple choice: {"question", "choices", "answer"}).
 
 The data describes a small closed world, in English and Chinese, so that a tiny model
 trained for a few minutes on a CPU can visibly learn it:
@@ -416,7 +417,35 @@ def chance_accuracy(items: list[dict]) -> float:
     return sum(1 / len(answers[(item["task"], item["lang"])]) for item in items) / len(items)
 
 
-# 6. Writing the files --------------------------------------------------------------------
+# 6. The eval's questions as multiple choice ----------------------------------------------
+
+
+def same_kind_answers(task: Task, question: str, lang: str) -> list[str]:
+    """Every answer of the kind `question` asks for: all capitals for a capital, all digits for
+    "Which number is 七?" (number words have six kinds of question, each with its own answers)."""
+    key = next(key for key in task.keys if question in task.ask(key, lang)[0])
+    kind = key[1] if task.name == "number_word" else None
+    return sorted({task.ask(k, lang)[1] for k in task.keys if kind is None or k[1] == kind})
+
+
+def choice_items(rng: random.Random, evaluation: list[dict], n_choices: int = 4) -> list[dict]:
+    """Each eval question with its answer and wrong answers of the same kind, written as the
+    FAQ lines of the pretraining text ("Q: ... A:"), so a model is scored before SFT too."""
+    tasks = {task.name: task for task in TASKS}
+    items = []
+    for record in evaluation:
+        task, lang = tasks[record["task"]], record["lang"]
+        question, answer = (m["content"] for m in record["conversations"][-2:])
+        wrong = [a for a in same_kind_answers(task, question, lang) if a != answer]
+        choices = rng.sample(wrong, n_choices - 1) + [answer]
+        rng.shuffle(choices)
+        items.append({"question": f"Q: {question} A:" if lang == "en" else f"问：{question}答：",
+                      "choices": choices, "answer": choices.index(answer),
+                      "task": task.name, "lang": lang})
+    return items
+
+
+# 7. Writing the files --------------------------------------------------------------------
 
 
 def write_jsonl(path: Path, records: list[dict]) -> None:
@@ -450,12 +479,14 @@ def main() -> None:
     rng = random.Random(f"{args.seed}:sft")
     sft = [sft_conversation(rng, held_out) for _ in range(args.sft_lines)]
     evaluation = eval_items(random.Random(f"{args.seed}:eval"), held_out, args.eval_phrasing_per_task)
+    choices = choice_items(random.Random(f"{args.seed}:mc"), evaluation)
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     files = {"pretrain_demo.jsonl": [{"text": t} for t in pretrain],
              "val_demo.jsonl": [{"text": t} for t in val],
              "sft_demo.jsonl": sft,
-             "sft_demo_eval.jsonl": evaluation}
+             "sft_demo_eval.jsonl": evaluation,
+             "mc_demo.jsonl": choices}
     for name, records in files.items():
         write_jsonl(args.out_dir / name, records)
         size = (args.out_dir / name).stat().st_size

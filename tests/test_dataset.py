@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 
 from dataset.chat_format import render_chat_text
 from dataset.lm_dataset import IGNORE_INDEX, JsonlFile, PretrainDataset, SFTDataset
+from dataset.make_demo_data import TASKS
 from model.tokenizer import BOS_ID, EOS_ID, PAD_ID, load_tokenizer
 
 from conftest import REPO
@@ -213,8 +214,22 @@ def test_validation_text_is_not_in_the_pretraining_text():
     assert not [r["text"] for r in read_records("val_demo.jsonl") if r["text"] in training]
 
 
+def test_multiple_choice_asks_the_eval_questions_against_three_wrong_answers_of_the_same_kind():
+    tasks = {task.name: task for task in TASKS}
+    evaluation, items = read_records("sft_demo_eval.jsonl"), read_records("mc_demo.jsonl")
+    assert len(items) == len(evaluation)
+    for record, item in zip(evaluation, items):
+        question, answer = (m["content"] for m in record["conversations"][-2:])
+        assert item["question"] == (f"Q: {question} A:" if record["lang"] == "en" else f"问：{question}答：")
+        assert item["choices"][item["answer"]] == answer and len(set(item["choices"])) == 4
+        task_answers = {tasks[record["task"]].ask(key, record["lang"])[1] for key in tasks[record["task"]].keys}
+        assert set(item["choices"]) <= task_answers
+        assert len({choice.isdigit() for choice in item["choices"]}) == 1, item  # "7" is never up against "seven"
+    assert 0.15 < sum(item["answer"] == 0 for item in items) / len(items) < 0.35  # the answer's place is drawn
+
+
 def test_committed_demo_data_is_what_the_generator_writes(tmp_path):
     subprocess.run([sys.executable, str(DATA_DIR / "make_demo_data.py"), "--out_dir", str(tmp_path)],
                    check=True, capture_output=True)
-    for name in ["pretrain_demo.jsonl", "val_demo.jsonl", "sft_demo.jsonl", "sft_demo_eval.jsonl"]:
+    for name in ["pretrain_demo.jsonl", "val_demo.jsonl", "sft_demo.jsonl", "sft_demo_eval.jsonl", "mc_demo.jsonl"]:
         assert (tmp_path / name).read_bytes() == (DATA_DIR / name).read_bytes(), name

@@ -1,5 +1,5 @@
-"""scripts/run_demo.sh's arguments and its look at the machine before the first stage (its Ctrl-C behaviour:
-tests/test_stopping.py).
+"""scripts/run_demo.sh's arguments, its look at the machine before the first stage and the order of its stages
+(its Ctrl-C behaviour: tests/test_stopping.py).
 
 Each run is the real script, copied alone into tmp_path: had it gone past the check, its first stage would
 fail there instead of rewriting the repository's demo data.
@@ -7,6 +7,7 @@ fail there instead of rewriting the repository's demo data.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 
@@ -49,3 +50,22 @@ def test_an_unknown_argument_is_refused_with_the_usage_before_anything_runs(tmp_
     assert result.returncode == 2 and result.stdout == ""  # not even the machine's line
     assert result.stderr == ("error: unknown argument '--epochs'; usage: bash scripts/run_demo.sh [--quick] "
                              "[--check_machine]\n")
+
+
+@pytest.mark.parametrize("args, layers", [((), "4"), (("--quick",), "2")])
+def test_the_stages_run_in_order_with_the_same_model_sizes_and_the_total_time_comes_last(tmp_path, args, layers):
+    # A stand-in `python` first on the PATH writes down each command instead of training for minutes.
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").write_text(f'#!/bin/sh\necho "$*" >> {tmp_path}/commands\n')
+    (tmp_path / "bin" / "python").chmod(0o755)
+    result = run_demo(tmp_path, *args, DEMO_LOADAVG="0", DEMO_CORES=2,
+                      PATH=f"{tmp_path / 'bin'}:{child_env()['PATH']}")
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    scripts = [command.split()[0] for command in (tmp_path / "commands").read_text().splitlines()]
+    assert scripts == ["dataset/make_demo_data.py", "trainer/train_pretrain.py", "trainer/train_full_sft.py",
+                       "scripts/demo_table.py", "eval_model.py", "eval_model.py", "scripts/plot_metrics.py"]
+    sizes = f"--hidden_size 128 --num_hidden_layers {layers} --num_attention_heads 4 --num_key_value_heads 2"
+    assert f"scripts/demo_table.py {sizes}\n" in (tmp_path / "commands").read_text()
+    stages = [line for line in result.stdout.splitlines() if line.startswith("== ")]
+    assert [line.split(".")[0] for line in stages[:-1]] == [f"== {n}" for n in range(1, 7)]
+    assert re.fullmatch(r"== done in 0 min \d+ s; the curves: out/pretrain_128_curves.png", stages[-1]), stages[-1]
