@@ -29,6 +29,7 @@ from model.hf import export_hf, load_project_weights
 from model.model import CausalLM, LMConfig
 from trainer.hardening import checkpoint_io, resume_checks, sharding
 from trainer.hardening.background_save import BackgroundSaver
+from trainer.hardening.durable_files import sha256_of
 from trainer.hardening.elastic_store import attempt_store
 from trainer.hardening.flag_checks import check_fits_in_memory
 from trainer.hardening.resume_checks import ConfigError
@@ -269,7 +270,7 @@ def init_model(args, lm_config: LMConfig, log: Callable[[str], None],
         return CausalLM(lm_config), lm_config
     if args.from_weight == "none":
         return CausalLM(lm_config), lm_config
-    path = Path(args.save_dir) / f"{args.from_weight}_{args.hidden_size}{'_moe' if args.use_moe else ''}.pth"
+    path = from_weight_path(args)
     if not path.is_file():
         raise FileNotFoundError(f"--from_weight {args.from_weight}: {path} does not exist. Train that stage first "
                                 f"(e.g. trainer/train_pretrain.py with the same --hidden_size), or pass "
@@ -284,6 +285,23 @@ def init_model(args, lm_config: LMConfig, log: Callable[[str], None],
     model = CausalLM(file_config)
     model.load_state_dict(weights, strict=True)
     return model, file_config
+
+
+def from_weight_path(args) -> Path:
+    """--from_weight's file: `{save_dir}/{from_weight}_{hidden}[_moe].pth`."""
+    return Path(args.save_dir) / f"{args.from_weight}_{args.hidden_size}{'_moe' if args.use_moe else ''}.pth"
+
+
+def frozen_model(args, lm_config: LMConfig, log: Callable[[str], None]) -> tuple[CausalLM, dict]:
+    """--from_weight's model with every weight frozen (LoRA's base, DPO's reference model), and the settings
+    that name it: {"base_file", "base_sha256"}. A checkpoint records these instead of a copy of the weights,
+    and a resume refuses a file whose hash changed (resume_checks compares "base_sha256")."""
+    if args.from_weight == "none":
+        raise ConfigError("--from_weight none: this stage starts from trained weights; name them, e.g. "
+                          "--from_weight full_sft")
+    model, _ = init_model(args, lm_config, log)
+    path = from_weight_path(args)
+    return model.requires_grad_(False).eval(), {"base_file": str(path), "base_sha256": sha256_of(path)}
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -410,7 +428,9 @@ def lm_checkpoint(lm_config: LMConfig, weight: str = "full_sft", model=None, opt
             # What resume_checks compares, to refuse a resume that would not continue this run:
             "lm_config": resume_checks.plain(lm_config.to_dict()),  # LMConfig's fields: sizes, vocab, rope, MoE
             # {"batch_size", "accumulation_steps", "global_batch_size", "world_size", "epochs", "seed",
-            #  "max_seq_len", "pack", "learning_rate", "warmup_ratio", "grad_clip", SFT's two ratios}
+            #  "max_seq_len", "pack", "learning_rate", "warmup_ratio", "grad_clip", SFT's two ratios, LoRA's
+            #  "lora_rank", "lora_alpha", "lora_targets", DPO's "beta"; LoRA and DPO: "base_file", "base_sha256",
+            #  the frozen --from_weight file named, not copied (frozen_model)}
             "train_args": resume_checks.plain(run.settings if run else {}),
             "data_fingerprint": resume_checks.plain(run.data_fingerprint if run else {}),  # path, size, lines, sha256
             # The anomaly guard's memory after this step: {"detector": {"losses", "grad_norms" (the last 20
