@@ -233,3 +233,37 @@ def test_committed_demo_data_is_what_the_generator_writes(tmp_path):
                    check=True, capture_output=True)
     for name in ["pretrain_demo.jsonl", "val_demo.jsonl", "sft_demo.jsonl", "sft_demo_eval.jsonl", "mc_demo.jsonl"]:
         assert (tmp_path / name).read_bytes() == (DATA_DIR / name).read_bytes(), name
+
+
+STAGE_FILES = ["lora_demo.jsonl", "lora_demo_eval.jsonl", "dpo_demo.jsonl", "dpo_demo_eval.jsonl"]
+
+
+def test_committed_stage_data_is_what_its_generator_writes(tmp_path):
+    subprocess.run([sys.executable, str(DATA_DIR / "make_stage_data.py"), "--out_dir", str(tmp_path)],
+                   check=True, capture_output=True)
+    for name in STAGE_FILES:
+        assert (tmp_path / name).read_bytes() == (DATA_DIR / name).read_bytes(), name
+
+
+def test_the_lora_domain_is_new_to_pretraining_and_sft_and_its_eval_phrasing_new_to_lora():
+    french = {r["conversations"][-1]["content"] for r in read_records("lora_demo_eval.jsonl")} - {"orange", "six"}
+    assert len(french) == 19  # 13 numbers and 8 colours, less the two words English and French share
+    earlier = (DATA_DIR / "pretrain_demo.jsonl").read_text(encoding="utf-8") + \
+        (DATA_DIR / "sft_demo.jsonl").read_text(encoding="utf-8")
+    assert not [word for word in french if f" {word}" in earlier or f'"{word}"' in earlier]
+    asked = {m["content"] for r in read_records("lora_demo.jsonl") for m in r["conversations"] if m["role"] == "user"}
+    eval_questions = [r["conversations"][-2]["content"] for r in read_records("lora_demo_eval.jsonl")]
+    assert not set(eval_questions) & asked and len(eval_questions) == 42
+
+
+def test_dpo_pairs_share_their_prompt_and_prefer_the_right_answer_to_a_wrong_one_of_the_same_kind():
+    training, held_out = read_records("dpo_demo.jsonl"), read_records("dpo_demo_eval.jsonl")
+    for record in training + held_out:
+        chosen, rejected = record["chosen"], record["rejected"]
+        assert chosen[:-1] == rejected[:-1] and chosen[-1]["role"] == rejected[-1]["role"] == "assistant"
+        assert chosen[-1]["content"] != rejected[-1]["content"]
+        assert chosen[-1]["content"].isdigit() == rejected[-1]["content"].isdigit(), record
+    evaluation = read_records("sft_demo_eval.jsonl")  # the held-out pairs ask the eval's questions, right answer chosen
+    assert [r["chosen"] for r in held_out] == [r["conversations"] for r in evaluation]
+    asked = {r["chosen"][-2]["content"] for r in training}
+    assert not asked & {r["chosen"][-2]["content"] for r in held_out}
