@@ -127,12 +127,16 @@ def load_lora(model: nn.Module, path: str | Path) -> dict:
     if found != expected:
         layers = len({name.split(".")[2] for name in adapter})
         first = next(name for name in sorted(set(found) | set(expected)) if found.get(name) != expected.get(name))
-        raise ValueError(f"{path} was trained on another base model: {first} is {found.get(first)} in the file, "
-                         f"{expected.get(first)} in this model (the file adapts {layers} layers; this model has "
+        raise ValueError(f"{path} was trained on another base model: {first} is {_shape(found, first)} in the file, "
+                         f"{_shape(expected, first)} in this model (the file adapts {layers} layers; this model has "
                          f"hidden_size {model.config.hidden_size} and {model.config.num_hidden_layers} layers); "
                          f"load it onto the weights it was trained from ({settings.get('base_file', 'see its .json')})")
     adapter_of(model).load_state_dict(adapter, strict=True)
     return settings
+
+
+def _shape(shapes: dict, name: str) -> str:
+    return str(list(shapes[name])) if name in shapes else "absent"
 
 
 def export_peft(adapter: dict[str, torch.Tensor], settings: dict, out_dir: str | Path,
