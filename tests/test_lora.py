@@ -26,6 +26,7 @@ from conftest import (assert_each_sample_once, assert_states_equal, child_pids, 
 from lora_files import tiny_config, write_adapter, write_base
 from model.lora import LORA_TARGETS, LoRALinear, adapter_of, apply_lora, load_lora, merged_state_dict
 from model.model import CausalLM
+from scripts.inspect_checkpoint import describe_checkpoint
 from test_tracking import offline_runs, wandb_offline_run
 from trainer.hardening.checkpoint_io import RunFiles, verify
 from trainer.hardening.durable_files import sha256_of
@@ -191,6 +192,13 @@ def test_lora_resumes_bit_identically_saves_the_adapter_alone_verified_and_refus
     kept = RunFiles(split / "ckpt", NAME).history()
     assert [p.name for p in kept] == ["step_00000007.pth", "step_00000006.pth"]
     assert [verify(p) for p in kept] == [None, None]
+    resume_description = describe_checkpoint(split / "ckpt" / f"{NAME}_resume.pth")
+    assert "integrity:        OK, verified against manifest lora_demo_32_history/step_00000007.pth.json" in \
+        resume_description and "lora_targets=q_proj,v_proj,down_proj" in resume_description
+    assert describe_checkpoint(split / "out" / f"{NAME}.pth").splitlines()[2:] == [  # its .json is no manifest
+        "dtype:            float16", "parameters:       2,176",
+        "LoRA adapter:     rank 4 in q_proj,v_proj,down_proj (alpha: the .json beside it); apply it with "
+        "eval_model.py --lora, or merge it with scripts/export_hf.py --merge_lora"]
 
     # The tracker run goes on: one wandb run id, in both invocations' offline files.
     ids = state["tracker_ids"]
