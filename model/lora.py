@@ -98,7 +98,10 @@ def read_adapter(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
         raise ValueError(f"{path} is not a LoRA adapter (expected only '...lora_A.weight' and '...lora_B.weight' "
                          f"tensors, as trainer/train_lora.py writes)")
     sidecar = path.with_suffix(".json")
-    settings = json.loads(sidecar.read_text(encoding="utf-8")) if sidecar.is_file() else {}
+    try:
+        settings = json.loads(sidecar.read_text(encoding="utf-8")) if sidecar.is_file() else {}
+    except ValueError as error:
+        raise ValueError(f"{sidecar} (the adapter's settings) is not JSON: {error}") from None
     if "lora_alpha" not in settings:
         raise ValueError(f"{sidecar} (written beside the adapter by trainer/train_lora.py) is missing or has no "
                          f"lora_alpha: the update's scale α/r cannot be known without it")
