@@ -50,7 +50,7 @@ from dataset.lm_dataset import PretrainDataset, SFTDataset
 from eval_choices import choice_loglikelihoods, format_choice_scores, load_hf_model, picks, read_choice_items, \
     score_choices
 from model.hf import load_project_weights
-from model.lora import load_lora
+from model.lora import load_lora, note_if_another_base
 from model.model import CausalLM
 from model.tokenizer import BOS_ID, EOS_ID, load_tokenizer
 from trainer.hardening.tracking import Validation, validation_loss
@@ -99,6 +99,9 @@ def load_model(args: argparse.Namespace, tokenizer: Tokenizer, device: torch.dev
         if log is not None:
             log(f"applied {adapter}: rank {settings.get('lora_rank')}, alpha {settings['lora_alpha']:g}, "
                 f"in {settings.get('lora_targets')}")
+            note = note_if_another_base(settings, path)
+            if note:
+                log(note)
     # FP16 is what the file stores and halves GPU memory; the CPU computes in FP32 (FP16 there is slow).
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     return model.to(device=device, dtype=dtype).eval()

@@ -18,6 +18,8 @@ shapes; α is in the `.json` beside the file (training writes it: checkpoint_io.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import pickle
 from pathlib import Path
@@ -106,6 +108,23 @@ def read_adapter(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
         raise ValueError(f"{sidecar} (written beside the adapter by trainer/train_lora.py) is missing or has no "
                          f"lora_alpha: the update's scale α/r cannot be known without it")
     return adapter, settings
+
+
+def note_if_another_base(settings: dict, base_file: str | Path) -> str | None:
+    """A warning when `base_file` is not the file the adapter was trained on (its SHA-256 is in the adapter's
+    .json): same shapes, other weights, e.g. full_sft trained further after the adapter. None when it is."""
+    trained_on = settings.get("base_sha256")
+    if trained_on is None:
+        return None
+    digest = hashlib.sha256()
+    with open(base_file, "rb") as f:
+        for block in iter(functools.partial(f.read, 1 << 20), b""):
+            digest.update(block)
+    if digest.hexdigest() == trained_on:
+        return None
+    return (f"warning: the adapter was trained on {settings.get('base_file', 'another file')} (SHA-256 "
+            f"{trained_on[:12]}...), and {base_file} differs (SHA-256 {digest.hexdigest()[:12]}...): its answers "
+            f"may be off; apply it to the weights it was trained on")
 
 
 def adapter_shape(adapter: dict[str, torch.Tensor]) -> tuple[int, list[str]]:

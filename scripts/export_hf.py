@@ -30,7 +30,7 @@ if __package__ in (None, ""):  # run as a file (python scripts/x.py): make the r
 import torch
 
 from model.hf import DTYPES, export_hf, import_hf, infer_sizes, load_project_weights, size_flags
-from model.lora import export_peft, load_lora, merged_state_dict, read_adapter
+from model.lora import export_peft, load_lora, merged_state_dict, note_if_another_base, read_adapter
 from model.model import CausalLM, LMConfig
 from model.tokenizer import DEFAULT_TOKENIZER
 
@@ -67,6 +67,9 @@ def export(args: argparse.Namespace) -> None:
         model = CausalLM(lm_config)
         model.load_state_dict(state_dict, strict=True)
         settings = load_lora(model, adapter_file)
+        note = note_if_another_base(settings, args.path)
+        if note:
+            print(note, file=sys.stderr)
         if args.peft_adapter:
             write_peft(args, lm_config, settings)
             return

@@ -13,6 +13,7 @@ from model.lora import adapter_of, apply_lora
 from model.model import CausalLM, LMConfig
 from model.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
 from trainer.hardening.checkpoint_io import cast_state_dict, write_out_weights
+from trainer.hardening.durable_files import sha256_of
 
 TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")  # some of each block's, not all: targets are read back
 
@@ -34,8 +35,9 @@ def write_base(out_dir: Path, config: LMConfig, seed: int = 0, name: str = "full
 
 
 def write_adapter(out_dir: Path, config: LMConfig, rank: int = 4, alpha: float = 6.0, targets=TARGETS,
-                  seed: int = 1, name: str = "demo") -> Path:
-    """out_dir/lora_{name}_{hidden}.pth and its .json: random A and B (FP16), as train_lora.py writes them."""
+                  seed: int = 1, name: str = "demo", base: Path | None = None) -> Path:
+    """out_dir/lora_{name}_{hidden}.pth and its .json: random A and B (FP16), as train_lora.py writes them; the
+    .json names `base` (file and SHA-256) as the model it was trained on, when given."""
     torch.manual_seed(seed)
     model = CausalLM(config)
     adapter = apply_lora(model, rank, alpha, targets)
@@ -43,8 +45,10 @@ def write_adapter(out_dir: Path, config: LMConfig, rank: int = 4, alpha: float =
         for parameter in adapter.parameters():
             parameter.normal_(0.0, 0.3)
     path = out_dir / f"lora_{name}_{config.hidden_size}.pth"
+    base_identity = {"base_file": str(base), "base_sha256": sha256_of(base)} if base else {}
     write_out_weights(path, cast_state_dict(adapter_of(model).state_dict(), torch.float16),
-                      {"max_seq_len": 48, "lora_rank": rank, "lora_alpha": alpha, "lora_targets": ",".join(targets)})
+                      {"max_seq_len": 48, "lora_rank": rank, "lora_alpha": alpha, "lora_targets": ",".join(targets),
+                       **base_identity})
     return path
 
 

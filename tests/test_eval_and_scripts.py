@@ -95,12 +95,13 @@ def test_eval_applies_a_lora_adapter_on_top_of_the_weight_and_refuses_a_missing_
     from lora_files import base_model, tiny_config, write_adapter, write_base
     from model.lora import load_lora
     config = tiny_config()
-    base_file, adapter_file = write_base(tmp_path, config), write_adapter(tmp_path, config)
+    base_file = write_base(tmp_path, config)
+    adapter_file = write_adapter(tmp_path, config, base=base_file)
     argv = ["--weight", "full_sft", "--save_dir", str(tmp_path), "--device", "cpu"]
     args = eval_model.build_arg_parser().parse_args([*argv, "--lora", "demo"])
     lines = []
     model = eval_model.load_model(args, load_tokenizer(args.tokenizer_path), torch.device("cpu"), log=lines.append)
-    assert lines[1] == f"applied {adapter_file}: rank 4, alpha 6, in q_proj,v_proj,o_proj,down_proj"
+    assert lines[1:] == [f"applied {adapter_file}: rank 4, alpha 6, in q_proj,v_proj,o_proj,down_proj"]
     expected = base_model(base_file)
     ids = torch.randint(3, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -109,6 +110,10 @@ def test_eval_applies_a_lora_adapter_on_top_of_the_weight_and_refuses_a_missing_
         assert torch.equal(model(ids).logits, expected(ids).logits) and not torch.allclose(plain, expected(ids).logits)
 
     assert eval_model.main([*argv, "--lora", "demo", "--prompt", "hi", "--max_new_tokens", "2"]) == 0
+    write_base(tmp_path, config, seed=1)  # the same shapes, other weights: said, not refused
+    assert eval_model.main([*argv, "--lora", "demo", "--prompt", "hi", "--max_new_tokens", "2"]) == 0
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"warning: the adapter was trained on {base_file} "
+                                                               f"(SHA-256 ")
     assert eval_model.main([*argv, "--lora", "medical", "--prompt", "hi"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert err[-1].startswith(f"error: --lora medical: no lora_medical_32.pth in {tmp_path} (there: full_sft_32.pth, "
