@@ -109,7 +109,7 @@ def test_an_adapter_is_refused_in_one_line_on_another_base_or_without_its_json(t
     (["--parallel", "fsdp"], "--parallel fsdp: train_lora.py trains with DDP only"),
     (["--save_hf", "1"], "--save_hf 1: train_lora.py saves the adapter alone; export it afterwards"),
     (["--lora_name", "a/b"], "--lora_name 'a/b': must be a plain file name"),
-])
+], ids=["rank_0", "negative_alpha", "unknown_target", "fsdp", "save_hf", "name_with_a_slash"])
 def test_a_bad_lora_flag_is_refused_naming_it(monkeypatch, flags, message):
     from trainer import train_lora
     monkeypatch.setattr(sys, "argv", ["train_lora.py", *flags])
