@@ -92,7 +92,7 @@ def load_model(args: argparse.Namespace, tokenizer: Tokenizer, device: torch.dev
             adapter = find_weight_file(Path(args.save_dir), f"lora_{args.lora}", lm_config.hidden_size,
                                        lm_config.use_moe)
             settings = load_lora(model, adapter)
-        except FileNotFoundError as error:  # (a RuntimeError, several files, names them already)
+        except FileNotFoundError as error:  # (several matching files: find_weight_file's RuntimeError names them)
             raise FileNotFoundError(f"--lora {args.lora}: {error}") from None
         except ValueError as error:
             raise RuntimeError(f"--lora {args.lora}: {error}") from None
