@@ -14,6 +14,8 @@ file when --save_dir holds several of one --weight:
     python eval_model.py --weight full_sft --eval dataset/sft_demo_eval.jsonl --verbose
     # an MoE file: the top-k is the one size the weights cannot tell (default 1, as in minimind)
     python eval_model.py --weight full_sft --use_moe 1 --num_experts_per_tok 1
+    # a LoRA adapter (trainer/train_lora.py's out/lora_demo_{hidden}.pth) on top of the weights it was trained on
+    python eval_model.py --weight full_sft --lora demo --prompt "What is 2+3?"
     # loss per token and bits per byte on a file of the trainer's --val_data formats (text or SFT)
     python eval_model.py --weight pretrain --bpb_data dataset/val_demo.jsonl
     # multiple-choice accuracy by log-likelihood, as lm-eval scores ARC or C-Eval (eval_choices.py)
@@ -48,6 +50,7 @@ from dataset.lm_dataset import PretrainDataset, SFTDataset
 from eval_choices import choice_loglikelihoods, format_choice_scores, load_hf_model, picks, read_choice_items, \
     score_choices
 from model.hf import load_project_weights
+from model.lora import load_lora, note_if_another_base
 from model.model import CausalLM
 from model.tokenizer import BOS_ID, EOS_ID, load_tokenizer
 from trainer.hardening.tracking import Validation, validation_loss
@@ -64,8 +67,9 @@ SIZE_FLAGS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_ke
 
 def load_model(args: argparse.Namespace, tokenizer: Tokenizer, device: torch.device,
                log: Callable[[str], None] | None = None) -> CausalLM:
-    """Load `{save_dir}/{weight}_{hidden}[_moe].pth` strictly, its sizes read from the weights; `log`
-    gets one line naming the file and the sizes.
+    """Load `{save_dir}/{weight}_{hidden}[_moe].pth` strictly, its sizes read from the weights, and with
+    --lora NAME the adapter `{save_dir}/lora_{NAME}_{hidden}[_moe].pth` on top; `log` gets one line naming the
+    file and the sizes (and one naming the adapter).
 
     Raises FileNotFoundError when no file matches, RuntimeError when several do or when the file
     does not fit the size flags given or the tokenizer; the message says what to change.
@@ -83,6 +87,21 @@ def load_model(args: argparse.Namespace, tokenizer: Tokenizer, device: torch.dev
         moe = f", MoE {c.num_experts} experts top-{c.num_experts_per_tok}" if c.use_moe else ""
         log(f"loaded {path}: hidden {c.hidden_size}, {c.num_hidden_layers} layers, {c.num_attention_heads} heads, "
             f"{c.num_key_value_heads} kv heads, vocab {c.vocab_size}{moe}, {model.num_parameters() / 1e6:.2f}M params")
+    if getattr(args, "lora", None):
+        try:
+            adapter = find_weight_file(Path(args.save_dir), f"lora_{args.lora}", lm_config.hidden_size,
+                                       lm_config.use_moe)
+            settings = load_lora(model, adapter)
+        except FileNotFoundError as error:  # (several matching files: find_weight_file's RuntimeError names them)
+            raise FileNotFoundError(f"--lora {args.lora}: {error}") from None
+        except ValueError as error:
+            raise RuntimeError(f"--lora {args.lora}: {error}") from None
+        if log is not None:
+            log(f"applied {adapter}: rank {settings.get('lora_rank')}, alpha {settings['lora_alpha']:g}, "
+                f"in {settings.get('lora_targets')}")
+            note = note_if_another_base(settings, path)
+            if note:
+                log(note)
     # FP16 is what the file stores and halves GPU memory; the CPU computes in FP32 (FP16 there is slow).
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     return model.to(device=device, dtype=dtype).eval()
@@ -305,6 +324,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     add_model_flags(p)
     a = p.add_argument
     a("--prompt", default=None, help="answer this once and exit")
+    a("--lora", default=None, help="NAME: apply the adapter out/lora_{NAME}_{hidden}.pth (train_lora.py) to --weight")
     a("--eval", default=None, help="SFT-format JSONL: report exact-match accuracy of greedy answers")
     a("--verbose", action="store_true", help="with --eval: print every wrong answer; with --mc_data: every item")
     a("--mc_data", default=None, help='JSONL of {"question", "choices", "answer"}: multiple-choice accuracy '

@@ -9,6 +9,11 @@ Run from the repository root (or as `python scripts/export_hf.py ...` from anywh
     python -m scripts.export_hf out/full_sft_768_moe.pth -o hf_model --num_experts_per_tok 1
     # a resume file carries its config
     python -m scripts.export_hf checkpoints/full_sft_128_resume.pth -o hf_model --dtype bfloat16
+    # a LoRA adapter (trainer/train_lora.py) added into the exported weights: one plain model
+    python -m scripts.export_hf out/full_sft_128.pth --merge_lora out/lora_demo_128.pth -o hf_model_demo
+    # or kept apart, as a PEFT adapter folder over the plain export of its base (both run on the same file):
+    python -m scripts.export_hf out/full_sft_128.pth --peft_adapter out/lora_demo_128.pth -o hf_lora_demo
+    #   PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("hf_model"), "hf_lora_demo")
     # the reverse: a Hugging Face directory (Qwen3 layout) -> an out/-style FP16 .pth
     python -m scripts.export_hf hf_model --reverse -o out/imported_128.pth
 
@@ -25,6 +30,8 @@ if __package__ in (None, ""):  # run as a file (python scripts/x.py): make the r
 import torch
 
 from model.hf import DTYPES, export_hf, import_hf, infer_sizes, load_project_weights, size_flags
+from model.lora import export_peft, load_lora, merged_state_dict, note_if_another_base, read_adapter
+from model.model import CausalLM, LMConfig
 from model.tokenizer import DEFAULT_TOKENIZER
 
 SIZE_FLAGS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -38,6 +45,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=list(DTYPES), default="float16", help="dtype of the exported weights")
     parser.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER), help="tokenizer.json to ship with the model")
     parser.add_argument("--reverse", action="store_true", help="import a Hugging Face directory into an out/-style .pth")
+    lora = parser.add_mutually_exclusive_group()
+    lora.add_argument("--merge_lora", default=None, help="an out/lora_*.pth adapter of `path`: export W + B A · α/r")
+    lora.add_argument("--peft_adapter", default=None,
+                      help="an out/lora_*.pth adapter of `path`: write it to --output as a PEFT adapter folder")
     sizes = parser.add_argument_group("model size (optional: read from the weights; a flag given must match them)")
     for name in SIZE_FLAGS:
         sizes.add_argument(f"--{name}", type=int, default=None, **({"choices": [0, 1]} if name == "use_moe" else {}))
@@ -51,8 +62,33 @@ def export(args: argparse.Namespace) -> None:
         # A resume file records the top-k; a bare state dict cannot, so there it is the default.
         print(f"note: MoE top-k num_experts_per_tok={lm_config.num_experts_per_tok} (from a resume file's config, "
               f"else the default; pass --num_experts_per_tok to choose)")
+    adapter_file = args.merge_lora or args.peft_adapter
+    if adapter_file:  # put on the model it adapts: an adapter of another base is refused here
+        model = CausalLM(lm_config)
+        model.load_state_dict(state_dict, strict=True)
+        settings = load_lora(model, adapter_file)
+        note = note_if_another_base(settings, args.path)
+        if note:
+            print(note, file=sys.stderr)
+        if args.peft_adapter:
+            write_peft(args, lm_config, settings)
+            return
+        state_dict = merged_state_dict(model)
     out_dir = export_hf(state_dict, lm_config, args.output, args.tokenizer, DTYPES[args.dtype])
     print(f"wrote {out_dir}/ ({args.dtype}); try: AutoModelForCausalLM.from_pretrained({str(out_dir)!r})")
+
+
+def write_peft(args: argparse.Namespace, lm_config: LMConfig, settings: dict) -> None:
+    """--peft_adapter: the adapter as a folder PEFT loads over the plain export of `path`."""
+    mlp = {"gate_proj", "up_proj", "down_proj"} & set(settings.get("lora_targets", "").split(","))
+    if lm_config.use_moe and mlp:
+        raise ValueError(f"--peft_adapter {args.peft_adapter}: it adapts the MoE experts' {', '.join(sorted(mlp))}, "
+                         f"which transformers' Qwen3-MoE keeps fused in one tensor that PEFT's LoRA cannot target; "
+                         f"use --merge_lora instead")
+    adapter, _ = read_adapter(args.peft_adapter)
+    out_dir = export_peft(adapter, settings, args.output, DTYPES[args.dtype])
+    print(f"wrote {out_dir}/ ({args.dtype}); try: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("
+          f"<the export of {args.path}>), {str(out_dir)!r})")
 
 
 def reverse(args: argparse.Namespace) -> None:
@@ -68,7 +104,10 @@ def reverse(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_arg_parser().parse_args(argv)
+    parser = build_arg_parser()
+    args = parser.parse_args(argv)
+    if args.reverse and (args.merge_lora or args.peft_adapter):
+        parser.error("--merge_lora and --peft_adapter export an adapter; --reverse imports a model")
     try:
         if args.reverse:
             reverse(args)

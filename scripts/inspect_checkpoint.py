@@ -26,6 +26,7 @@ if __package__ in (None, ""):  # run as a file: the repository, not this folder,
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from model.hf import infer_sizes, size_flags
+from model.lora import adapter_shape
 from trainer.hardening.checkpoint_io import CheckpointError, RunFiles, load_trusted, manifest_of, verify
 
 
@@ -139,6 +140,11 @@ def describe_weights(state: dict[str, torch.Tensor]) -> list[str]:
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in state.values()})
     lines = [f"dtype:            {', '.join(dtypes)}",
              f"parameters:       {count_parameters(state):,}"]
+    if all(".lora_" in name for name in state):  # trainer/train_lora.py's out/ file: the adapter alone
+        rank, targets = adapter_shape(state)
+        lines.append(f"LoRA adapter:     rank {rank} in {','.join(targets)} (alpha: the .json beside it); apply it "
+                     f"with eval_model.py --lora, or merge it with scripts/export_hf.py --merge_lora")
+        return lines
     try:
         sizes = infer_sizes(state)
     except ValueError as error:  # not this model's layout: say so, the rest of the description stands

@@ -6,6 +6,7 @@ the think block as `content`; the think text, if any, is kept apart as `reasonin
 temperature and top_p default to eval_model.py's (greedy), its max_tokens to --max_new_tokens.
 
     python scripts/serve_openai_api.py --weight full_sft            # on 127.0.0.1:8998, this machine only
+    python scripts/serve_openai_api.py --weight full_sft --lora demo   # with a LoRA adapter (train_lora.py)
     curl -s http://127.0.0.1:8998/v1/chat/completions -H "Content-Type: application/json" \\
          -d '{"messages": [{"role": "user", "content": "What is the capital of France?"}]}'
 
@@ -308,6 +309,7 @@ def create_app(model: CausalLM, tokenizer: Tokenizer, model_id: str, limits: Lim
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Serve a model from out/ over the OpenAI chat API")
     add_model_flags(p)  # --weight, --save_dir, --tokenizer_path, the size flags, --device: as eval_model.py
+    p.add_argument("--lora", default=None, help="NAME: serve --weight with the adapter out/lora_{NAME}_{hidden}.pth")
     p.add_argument("--host", default="127.0.0.1", help="127.0.0.1: this machine only; 0.0.0.0: the network too")
     p.add_argument("--port", type=int, default=8998)
     p.add_argument("--max_new_tokens", type=int, default=512, help="max_tokens of a request that gives none")
@@ -334,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: no {path.with_suffix('.json').name} beside the weights tells the length the model was trained "
               f"at: prompts are limited only by its {model.config.max_position_embeddings} positions", file=sys.stderr)
     print(f"limits: {limits._asdict()}", file=sys.stderr)
-    uvicorn.run(create_app(model, tokenizer, path.stem, limits), host=args.host, port=args.port)
+    name = f"{path.stem}+lora_{args.lora}" if args.lora else path.stem  # the "model" that /v1/models lists
+    uvicorn.run(create_app(model, tokenizer, name, limits), host=args.host, port=args.port)
     return 0
 
 

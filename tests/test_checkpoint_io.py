@@ -485,3 +485,15 @@ def test_resume_past_a_damaged_newest_checkpoint_keeps_the_good_older_one(tmp_pa
     assert names(files.failed_dir, "*") == ["step_00000004.pth", "step_00000004.pth.json"]
     assert str(files.failed_dir / "step_00000004.pth") in result.stdout + result.stderr
     assert_newest_is(files, files.history_file(3))
+
+
+def test_the_settings_beside_an_out_file_are_not_taken_for_an_earlier_manifest(tmp_path):
+    out = tmp_path / "out" / "full_sft_32.pth"
+    cio.write_out_weights(out, small_state(1)["model"], {"max_seq_len": 48})
+    assert (tmp_path / "out" / "full_sft_32.json").is_file()  # {"max_seq_len": 48}: no size, no hash
+    assert durable_files.manifest_of(out) == cio.manifest_path(out)  # so: no manifest (full_sft_32.pth.json)
+    kept = tmp_path / "ckpt" / "step_00000001.pth"
+    kept.parent.mkdir()
+    kept.write_bytes(b"x")
+    (tmp_path / "ckpt" / "step_00000001.json").write_text("{}")  # an earlier version's name: still read
+    assert durable_files.manifest_of(kept) == tmp_path / "ckpt" / "step_00000001.json"

@@ -91,6 +91,35 @@ def test_eval_names_the_file_it_loaded_and_the_model_sizes_on_stderr(runs, capsy
     assert captured.out.startswith("Once")  # stdout holds the answer alone
 
 
+def test_eval_applies_a_lora_adapter_on_top_of_the_weight_and_refuses_a_missing_one_in_one_line(tmp_path, capsys):
+    from lora_files import base_model, tiny_config, write_adapter, write_base
+    from model.lora import load_lora
+    config = tiny_config()
+    base_file = write_base(tmp_path, config)
+    adapter_file = write_adapter(tmp_path, config, base=base_file)
+    argv = ["--weight", "full_sft", "--save_dir", str(tmp_path), "--device", "cpu"]
+    args = eval_model.build_arg_parser().parse_args([*argv, "--lora", "demo"])
+    lines = []
+    model = eval_model.load_model(args, load_tokenizer(args.tokenizer_path), torch.device("cpu"), log=lines.append)
+    assert lines[1:] == [f"applied {adapter_file}: rank 4, alpha 6, in q_proj,v_proj,o_proj,down_proj"]
+    expected = base_model(base_file)
+    ids = torch.randint(3, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = expected(ids).logits
+        load_lora(expected, adapter_file)
+        assert torch.equal(model(ids).logits, expected(ids).logits) and not torch.allclose(plain, expected(ids).logits)
+
+    assert eval_model.main([*argv, "--lora", "demo", "--prompt", "hi", "--max_new_tokens", "2"]) == 0
+    write_base(tmp_path, config, seed=1)  # the same shapes, other weights: said, not refused
+    assert eval_model.main([*argv, "--lora", "demo", "--prompt", "hi", "--max_new_tokens", "2"]) == 0
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"warning: the adapter was trained on {base_file} "
+                                                               f"(SHA-256 ")
+    assert eval_model.main([*argv, "--lora", "medical", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith(f"error: --lora medical: no lora_medical_32.pth in {tmp_path} (there: full_sft_32.pth, "
+                              f"lora_demo_32.pth)")
+
+
 def test_evaluate_exact_match_counts_the_models_own_greedy_answers_as_correct(runs):
     shutil.copy(runs["a"] / "out" / "pretrain_32.pth", runs["a"] / "out" / "chat_32.pth")
     args = eval_model.build_arg_parser().parse_args(eval_args(runs["a"], "chat"))

@@ -190,3 +190,55 @@ def test_every_exported_file_has_the_mode_the_umask_gives(tmp_path, tokenizer_pa
         os.umask(previous)
     modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
     assert "model.safetensors" in modes and set(modes.values()) == {"0o644"}, modes
+
+
+# ---- a LoRA adapter (trainer/train_lora.py's out/lora_*.pth) -------------------------------------------------
+
+def test_a_lora_adapter_exports_merged_and_as_a_peft_folder_with_the_adapted_models_logits(tmp_path, tokenizer_path):
+    """Merged (--merge_lora) and as a PEFT folder over the plain export (--peft_adapter), the adapter computes
+    in transformers what it does here: the real `peft` package loads the folder."""
+    import peft
+    from lora_files import TARGETS, write_adapter
+    from model.lora import load_lora
+    from scripts.export_hf import main as export_main
+
+    vocab_size = Tokenizer.from_file(str(tokenizer_path)).get_vocab_size()
+    base = random_model(vocab_size)
+    base_file = tmp_path / "full_sft_64.pth"
+    torch.save({name: t.half() for name, t in base.state_dict().items()}, base_file)
+    adapter_file = write_adapter(tmp_path, base.config)
+    tokenizer = ["--tokenizer", str(tokenizer_path), "--dtype", "float32"]
+    for flags, out in (([], "hf"), (["--merge_lora", str(adapter_file)], "merged"),
+                       (["--peft_adapter", str(adapter_file)], "peft")):
+        assert export_main([str(base_file), "-o", str(tmp_path / out), *tokenizer, *flags]) == 0
+
+    ours = CausalLM(base.config)
+    ours.load_state_dict({name: t.half().float() for name, t in base.state_dict().items()}, strict=True)
+    plain = CausalLM(base.config).eval()
+    plain.load_state_dict(ours.state_dict(), strict=True)
+    load_lora(ours, adapter_file)
+    peft_config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert (peft_config["r"], peft_config["lora_alpha"], peft_config["target_modules"]) == (4, 6.0, list(TARGETS))
+    adapted = peft.PeftModel.from_pretrained(load_hf(tmp_path / "hf"), tmp_path / "peft").eval()
+    ids = torch.randint(3, vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = ours.eval()(ids).logits
+        assert (expected - plain(ids).logits).abs().max() > 0.1, "the adapter must change the logits to be seen"
+        merged_diff = (load_hf(tmp_path / "merged")(ids).logits - expected).abs().max().item()
+        peft_diff = (adapted(ids).logits - expected).abs().max().item()
+    print(f"max |logits(ours + adapter) - logits(transformers)|: merged {merged_diff:.3e}, PEFT {peft_diff:.3e}")
+    assert merged_diff < 1e-4 and peft_diff < 1e-4
+
+
+def test_a_peft_folder_of_moe_experts_is_refused_for_merge_instead(tmp_path, tokenizer_path, capsys):
+    from lora_files import write_adapter
+    from scripts.export_hf import main as export_main
+
+    moe = random_model(Tokenizer.from_file(str(tokenizer_path)).get_vocab_size(), use_moe=True)
+    base_file = tmp_path / "full_sft_64_moe.pth"
+    torch.save({name: t.half() for name, t in moe.state_dict().items()}, base_file)
+    adapter_file = write_adapter(tmp_path, moe.config, targets=("q_proj", "down_proj"))
+    common = [str(base_file), "--num_experts_per_tok", "2", "--tokenizer", str(tokenizer_path)]
+    assert export_main([*common, "-o", str(tmp_path / "peft"), "--peft_adapter", str(adapter_file)]) == 1
+    assert "it adapts the MoE experts' down_proj" in capsys.readouterr().err and not (tmp_path / "peft").exists()
+    assert export_main([*common, "-o", str(tmp_path / "merged"), "--merge_lora", str(adapter_file)]) == 0

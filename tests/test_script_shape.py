@@ -1,15 +1,18 @@
 """The shape a learner relies on: each script carries its whole loop, and the two differ only where
-pretraining and SFT differ (the lines marked `# stage`); imports point one way."""
+pretraining and SFT differ (the lines marked `# stage`), LoRA's from SFT's only where LoRA differs (`# lora`);
+imports point one way."""
 
 from __future__ import annotations
 
 import ast
+import difflib
 import re
 from pathlib import Path
 
 from conftest import REPO
 
 SCRIPTS = ("train_pretrain.py", "train_full_sft.py")
+ALL_SCRIPTS = (*SCRIPTS, "train_lora.py")  # each later stage's script is held to train_full_sft.py below
 
 
 def common_text(script: str) -> list[str]:
@@ -25,6 +28,37 @@ def test_the_two_scripts_are_identical_apart_from_the_lines_marked_stage():
     assert pretrain == sft, "\n".join(f"{a!r} != {b!r}" for a, b in zip(pretrain, sft) if a != b)[:3000]
 
 
+def test_lora_is_sft_apart_from_the_lines_marked_lora_and_the_sft_lines_its_docstring_lists():
+    """difflib between the two scripts (docstrings left out): every line LoRA adds or changes is marked `# lora`,
+    and every line of train_full_sft.py it drops or changes contains one of the `fragments` its docstring's
+    "What changes from train_full_sft.py" block lists, each of which names a line that is gone."""
+    sft, lora = (body(script) for script in ("train_full_sft.py", "train_lora.py"))
+    docstring = ast.get_docstring(ast.parse((REPO / "trainer" / "train_lora.py").read_text(encoding="utf-8")))
+    fragments = re.findall(r"`([^`]+)`", docstring[docstring.index("What changes from train_full_sft.py"):])
+    fragments.remove("# lora")
+    added, dropped = [], []
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, sft, lora, autojunk=False).get_opcodes():
+        if tag != "equal":
+            added += lora[j1:j2]
+            dropped += sft[i1:i2]
+    unmarked = [line for line in added if not re.search(r"# lora\b", line)]
+    assert not unmarked, "lines of train_lora.py that differ from train_full_sft.py without `# lora`:\n" + \
+        "\n".join(unmarked)
+    unlisted = [line for line in dropped if not any(fragment in line for fragment in fragments)]
+    assert not unlisted, "lines of train_full_sft.py gone from train_lora.py, not listed in its docstring:\n" + \
+        "\n".join(unlisted)
+    stale = [fragment for fragment in fragments if not any(fragment in line for line in dropped)]
+    assert not stale, f"the docstring lists lines that are not gone: {stale}"
+    assert len(dropped) <= 12, f"{len(dropped)} lines of train_full_sft.py changed: LoRA should be SFT, adapted"
+    assert len(added) - len(dropped) <= 20, "LoRA adds few lines to SFT"
+
+
+def body(script: str) -> list[str]:
+    """The script's lines after its module docstring."""
+    source = (REPO / "trainer" / script).read_text(encoding="utf-8")
+    return source.splitlines()[ast.parse(source).body[0].end_lineno:]
+
+
 # Iteration N of train_epoch, in the order it happens: step N is taken, then step N's log line, validation and save.
 STEP_N_IN_ORDER = ("get_lr(", "no_sync(model)", ".backward()", "scaler.unscale_(", "clip_grad_norm_(",
                    "optimizer_step(", "zero_grad(", "judge.add(", "judge.settle()", "tracker.log(", "validation_loss(",
@@ -32,7 +66,7 @@ STEP_N_IN_ORDER = ("get_lr(", "no_sync(model)", ".backward()", "scaler.unscale_(
 
 
 def test_each_script_writes_out_the_step_the_save_and_the_sampler():
-    for script in SCRIPTS:
+    for script in ALL_SCRIPTS:
         text = (REPO / "trainer" / script).read_text(encoding="utf-8")
         loop = text[text.index("def train_epoch("):text.index("def main(")]
         assert "SkipBatchSampler(" in loop, script
@@ -41,8 +75,10 @@ def test_each_script_writes_out_the_step_the_save_and_the_sampler():
         assert all(loop.count(piece) == 1 for piece in STEP_N_IN_ORDER), "each happens once in an iteration"
         sections = re.findall(r"# ---- (\d+)\. ", text)
         assert sections == [str(i) for i in range(1, len(sections) + 1)] and len(sections) >= 8, sections
-        # nanoGPT's train.py is about 340 lines; the guard's verdicts live in hardening/step_judge.py.
-        assert len(text.splitlines()) <= 260, f"{script} has {len(text.splitlines())} lines"
+        # nanoGPT's train.py is about 340 lines; the guard's verdicts live in hardening/step_judge.py. LoRA's
+        # docstring lists what it changes from SFT's.
+        limit = 300 if script == "train_lora.py" else 260
+        assert len(text.splitlines()) <= limit, f"{script} has {len(text.splitlines())} lines"
         tree = ast.parse(text)
         assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Nonlocal, ast.Global, ast.Lambda))], script
         nested = [inner.name for outer in ast.walk(tree) if isinstance(outer, ast.FunctionDef)
@@ -63,10 +99,11 @@ def imported_modules(path: Path) -> set[str]:
 
 def test_imports_point_one_way_scripts_then_trainer_utils_then_hardening_then_model_and_dataset():
     assert sorted(p.name for p in (REPO / "trainer").glob("*.py")) == sorted(
-        [*SCRIPTS, "trainer_utils.py", "train_tokenizer.py", "__init__.py"]), "trainer/ holds what a learner reads"
+        [*ALL_SCRIPTS, "trainer_utils.py", "train_tokenizer.py", "__init__.py"]), "trainer/ holds what a learner reads"
     hardening = list((REPO / "trainer" / "hardening").glob("*.py"))
     for path in hardening:  # a hardening module is read on its own: it never reaches back up
-        up = {m for m in imported_modules(path) if m in ("trainer.trainer_utils", *(f"trainer.{s[:-3]}" for s in SCRIPTS))}
+        up = {m for m in imported_modules(path) if m in ("trainer.trainer_utils",
+                                                        *(f"trainer.{s[:-3]}" for s in ALL_SCRIPTS))}
         assert not up, f"{path.name} imports {up}"
     for folder in ("model", "dataset"):
         for path in (REPO / folder).glob("*.py"):
@@ -113,16 +150,17 @@ def test_the_hardening_modules_import_each_other_without_a_circle():
 
 
 def test_the_loop_and_lm_checkpoint_read_as_simply_as_minimind():
-    """Cognitive complexity (the complexipy package) of every function in the two scripts and of
+    """Cognitive complexity (the complexipy package) of every function in the scripts and of
     lm_checkpoint stays at or below 30: minimind's train_epoch scores 29."""
     import complexipy
 
-    scores = {f"{script}:{f.name}": f.complexity for script in SCRIPTS
+    scores = {f"{script}:{f.name}": f.complexity for script in ALL_SCRIPTS
               for f in complexipy.file_complexity(str(REPO / "trainer" / script)).functions}
     scores.update({f"trainer_utils.py:{f.name}": f.complexity
                    for f in complexipy.file_complexity(str(REPO / "trainer" / "trainer_utils.py")).functions
                    if f.name == "lm_checkpoint"})
-    assert "train_pretrain.py:train_epoch" in scores and "trainer_utils.py:lm_checkpoint" in scores, scores
+    expected = {"train_pretrain.py:train_epoch", "train_lora.py:train_epoch", "trainer_utils.py:lm_checkpoint"}
+    assert expected <= set(scores), scores
     assert all(score <= 30 for score in scores.values()), scores
 
 

@@ -308,3 +308,32 @@ def test_text_parts_and_a_name_are_read_as_openai_sends_them(served):
         client(base).chat.completions.create(model="full_sft", messages=image, max_tokens=2)
     param, message = refusal(refused.value)
     assert param == "messages" and "message 1: content part 1 is not" in message
+
+
+def test_lora_serves_the_adapted_model_under_its_own_name(tmp_path, monkeypatch):
+    """--lora NAME: the adapter goes on top of --weight as in eval_model.py (main is run here, its uvicorn.run
+    replaced by a note of the app, which FastAPI's test client then asks)."""
+    from fastapi.testclient import TestClient
+
+    import scripts.serve_openai_api as serve
+    from lora_files import tiny_config, write_adapter, write_base
+
+    config = tiny_config()
+    write_base(tmp_path, config)
+    write_adapter(tmp_path, config)
+    apps = []
+    monkeypatch.setattr(serve.uvicorn, "run", lambda app, **_: apps.append(app))
+    argv = ["--weight", "full_sft", "--save_dir", str(tmp_path), "--device", "cpu", "--lora", "demo"]
+    assert serve.main(argv) == 0
+    http = TestClient(apps[0])
+    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["full_sft_32+lora_demo"]
+    reply = http.post("/v1/chat/completions", json={"messages": FROG, "max_tokens": 6}).json()
+
+    args = eval_model.build_arg_parser().parse_args(argv)
+    tokenizer = load_tokenizer(args.tokenizer_path)
+    adapted = eval_model.load_model(args, tokenizer, torch.device("cpu"))
+    text = eval_model.generate_text(adapted, tokenizer, eval_model.chat_prompt_ids(tokenizer, FROG), 6)
+    plain = eval_model.load_model(eval_model.build_arg_parser().parse_args(argv[:-2]), tokenizer, torch.device("cpu"))
+    assert text != eval_model.generate_text(plain, tokenizer, eval_model.chat_prompt_ids(tokenizer, FROG), 6)
+    assert reply["choices"][0]["message"]["content"] == eval_model.answer_from_generation(text).strip()
+    assert serve.main([*argv[:-1], "medical"]) == 2  # no such adapter: one line, exit 2, as eval_model.py

@@ -357,16 +357,22 @@ def write_checkpoint_files(files: RunFiles, out_path: Path, state: dict, keep_la
     save_verified(files, state, info["global_step"], keep_last, info, still_held)
 
 
+# What out/{run}.json holds, of the run's settings (those a run has: LoRA's are None elsewhere).
+OUT_SIDECAR_KEYS = ("max_seq_len", "lora_rank", "lora_alpha", "lora_targets", "base_file", "base_sha256")
+
+
 def write_out_weights(out_path: Path, weights: dict, train_args: dict,
                       still_held: Callable[[], None] = no_check) -> None:
     """`out/{run}.pth`, the FP16 state dict, and beside it `out/{run}.json`, {"max_seq_len": N}: the length the
-    model was trained at, which its weights cannot tell (scripts/serve_openai_api.py refuses longer prompts).
-    The .pth stays a plain state dict, as minimind's loaders expect."""
+    model was trained at, which its weights cannot tell (scripts/serve_openai_api.py refuses longer prompts);
+    for a LoRA adapter also its "lora_rank", "lora_alpha", "lora_targets" and the base it was trained on,
+    "base_file" and "base_sha256" (model/lora.py reads them). The .pth stays a plain state dict, as minimind's
+    loaders expect."""
     out_path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(out_path, lambda f: torch.save(weights, f), still_held)
     if "max_seq_len" in train_args:  # absent only in a state saved without a RunSpec (some tests)
-        atomic_write_text(out_path.with_suffix(".json"), json.dumps({"max_seq_len": train_args["max_seq_len"]}) + "\n",
-                          still_held)
+        sidecar = {key: train_args[key] for key in OUT_SIDECAR_KEYS if train_args.get(key) is not None}
+        atomic_write_text(out_path.with_suffix(".json"), json.dumps(sidecar) + "\n", still_held)
 
 
 def load_newest(files: RunFiles, resume_path: str | None, log: Callable[[str], None]) -> dict | None:

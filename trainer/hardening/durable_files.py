@@ -115,12 +115,16 @@ def manifest_path(checkpoint: Path) -> Path:
     return checkpoint.with_name(checkpoint.name + ".json")
 
 
+# The kept checkpoints, the only files an earlier version wrote a `step_00000300.json` manifest for.
+HISTORY_FILE = re.compile(r"^step_\d{8}\.(?:pth|dcp)$")
+
+
 def earlier_manifest(checkpoint: Path) -> Path | None:
     """The `step_00000300.json` that versions before the two-part manifest name wrote, if it describes
     `checkpoint`: it does unless its "file" names a checkpoint of the other kind (`.dcp` for a `.pth`, or
     back). One that cannot be read is taken as this checkpoint's: verify then says what is wrong with it."""
     earlier = checkpoint.with_suffix(".json")
-    if not earlier.is_file():
+    if not HISTORY_FILE.match(checkpoint.name) or not earlier.is_file():  # out/{run}.json is the weights' settings
         return None
     try:
         named = json.loads(earlier.read_text())["file"]

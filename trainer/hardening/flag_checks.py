@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from model.lora import LORA_TARGETS
 from model.model import LMConfig, default_intermediate_size
 from trainer.hardening.anomaly import parse_injection
 from trainer.hardening.checkpoint_io import HISTORY_NAME
@@ -69,6 +70,9 @@ RANGES = {
                           "the run)", lambda v: v >= 1),
     "system_prompt_ratio": ("in [0, 1] (a share of the samples)", lambda v: 0 <= v <= 1),
     "drop_empty_think_ratio": ("in [0, 1] (a share of the samples)", lambda v: 0 <= v <= 1),
+    "lora_rank": ("an integer >= 1 (the rank r of each adapter's A and B)", lambda v: v >= 1),
+    "lora_alpha": ("a finite number > 0 (the adapter's update is scaled by lora_alpha / lora_rank)",
+                   lambda v: 0 < v < math.inf),
 }
 LOGGERS = ("console", "file", "wandb", "swanlab")
 
@@ -79,6 +83,8 @@ def check_flags(args: argparse.Namespace) -> argparse.Namespace:
         value = getattr(args, flag, None)
         if value is not None and not ok(value):
             raise ConfigError(f"--{flag} {value}: must be {allowed}")
+    if getattr(args, "lora_name", None) is not None:  # trainer/train_lora.py
+        check_lora_flags(args)
     check_model_shape(args)
     check_paths(args)
     check_names(args)
@@ -93,6 +99,28 @@ def check_flags(args: argparse.Namespace) -> argparse.Namespace:
     if args.use_compile is None:  # where it pays: 2.5x on an H100; on a CPU compiling costs more than it saves
         args.use_compile = int(args.device.startswith("cuda"))
     return args
+
+
+def check_lora_flags(args: argparse.Namespace) -> None:
+    """train_lora.py's flags: known target names (kept in model.py's order, so a resume compares them as one
+    setting), a plain --lora_name, which names the files (`lora_{name}`: --save_weight), and what LoRA does not do."""
+    names = [name.strip() for name in args.lora_targets.split(",") if name.strip()]
+    unknown = [name for name in names if name not in LORA_TARGETS]
+    if unknown or not names:
+        raise ConfigError(f"--lora_targets {args.lora_targets}: {', '.join(unknown) or 'no name'} is not a linear "
+                          f"layer of the model; choose among {','.join(LORA_TARGETS)}")
+    args.lora_targets = ",".join(name for name in LORA_TARGETS if name in names)
+    stem = f"{args.hidden_size}{'_moe' if args.use_moe else ''}"
+    check_name("lora_name", args.lora_name, f"lora_{args.lora_name}_{stem}{LONGEST_TAIL}",
+               (args.checkpoint_dir, args.save_dir, args.metrics_dir or args.save_dir))
+    args.save_weight = f"lora_{args.lora_name}"
+    if args.parallel == "fsdp":
+        raise ConfigError("--parallel fsdp: train_lora.py trains with DDP only (the adapter is small, and the frozen "
+                          "base is kept whole on each GPU); use --parallel ddp")
+    if args.save_hf:
+        raise ConfigError(f"--save_hf 1: train_lora.py saves the adapter alone; export it afterwards, merged or "
+                          f"as a PEFT folder: python scripts/export_hf.py out/{args.from_weight}_{stem}.pth "
+                          f"--merge_lora out/lora_{args.lora_name}_{stem}.pth -o hf_model (or --peft_adapter)")
 
 
 def check_model_shape(args: argparse.Namespace) -> None:
