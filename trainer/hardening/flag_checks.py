@@ -69,6 +69,8 @@ RANGES = {
                           "the run)", lambda v: v >= 1),
     "system_prompt_ratio": ("in [0, 1] (a share of the samples)", lambda v: 0 <= v <= 1),
     "drop_empty_think_ratio": ("in [0, 1] (a share of the samples)", lambda v: 0 <= v <= 1),
+    "beta": ("a finite number > 0 (DPO: how far the policy may move from the reference; 0.1 is usual)",
+             lambda v: 0 < v < math.inf),
 }
 LOGGERS = ("console", "file", "wandb", "swanlab")
 
