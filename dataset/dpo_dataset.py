@@ -41,6 +41,8 @@ def check_pair(record: dict) -> None:
     for side in ("chosen", "rejected"):
         if side not in record:
             raise ValueError(f'no "{side}": each line is {EXAMPLE}')
+        if not isinstance(record[side], list) or not record[side]:
+            raise ValueError(f'"{side}" must be a non-empty list of {{"role", "content"}} messages: {EXAMPLE}')
         try:
             last = answer_index(record[side])
         except ValueError as error:

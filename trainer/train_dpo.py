@@ -47,7 +47,7 @@ from trainer.hardening.run_lock import claim_run_directories
 from trainer.hardening.sharding import no_sync, shard_model
 from trainer.hardening.step_judge import Rollback, Step, StepJudge
 from trainer.hardening.stopping import end_of_run, loader_worker_ignores_stops
-from trainer.hardening.tracking import Tracker, flops_per_token
+from trainer.hardening.tracking import Tracker, flops_per_token  # dpo: (its own validation, below)
 from trainer.trainer_utils import (REPO_ROOT, IndexedDataset, Position, RunSpec, SkipBatchSampler, epoch_order, get_lr,
                                    frozen_model,  # dpo
                                    given_sizes, init_distributed, init_model, lm_checkpoint, model_config,
