@@ -335,7 +335,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     a("--pairs_data", default=None, help='JSONL of {"chosen", "rejected"} pairs: how often the chosen answer wins')
     a("--ref_weight", default=None, help="with --pairs_data: the reference, for the implicit reward's accuracy")
     a("--bpb_data", default=None, help="JSONL of text or SFT lines: report the loss per token and bits per byte")
-    a("--max_seq_len", type=int, default=340, help="with --bpb_data, --pairs_data: records are cut to it, as in training")
+    a("--max_seq_len", type=int, default=340, help="with --bpb_data, --pairs_data: records are cut to it, as trained")
     a("--temperature", type=float, default=0.0, help="0 = greedy")
     a("--top_p", type=float, default=1.0)
     a("--top_k", type=int, default=0, help="0 = no top-k cut")

@@ -77,7 +77,8 @@ def test_a_pair_is_chosen_then_rejected_with_the_loss_on_the_last_answer_only(tm
         assert torch.equal(where, torch.arange(where[0], where[-1] + 1))
         texts.append(tokenizer.decode(input_ids[row][trained].tolist(), skip_special_tokens=False))
         prompt = tokenizer.decode(input_ids[row][:where[0]].tolist(), skip_special_tokens=False)
-        assert prompt.endswith("<|im_start|>user\n3+4?<|im_end|>\n<|im_start|>assistant\n") and "\n2<|im_end|>" in prompt
+        assert prompt.endswith("<|im_start|>user\n3+4?<|im_end|>\n<|im_start|>assistant\n")
+        assert "\n2<|im_end|>" in prompt
     assert texts == ["<think>\n\n</think>\n\n7<|im_end|>\n", "<think>\n\n</think>\n\n8<|im_end|>\n"]
     first_label = int((labels[0] != IGNORE_INDEX).nonzero()[0])
     assert torch.equal(input_ids[0][:first_label], input_ids[1][:first_label])  # the same prompt, token for token
@@ -195,7 +196,8 @@ def test_a_placeholder_pair_adds_nothing_to_the_loss_or_the_gradient(tmp_path, t
     placeholder = torch.full_like(labels[:1], IGNORE_INDEX)  # trainer_utils.IndexedDataset's placeholder row
 
     gradients = []
-    for ids, targets in ((input_ids, labels), (torch.cat([input_ids, input_ids[:1]]), torch.cat([labels, placeholder]))):
+    with_placeholder = (torch.cat([input_ids, input_ids[:1]]), torch.cat([labels, placeholder]))
+    for ids, targets in ((input_ids, labels), with_placeholder):
         policy.zero_grad()
         losses, margins, _ = pair_losses(policy, reference, ids, targets, beta=0.1)
         losses.sum().backward()
@@ -237,7 +239,8 @@ def test_eval_model_pairs_data_prints_the_accuracies_and_refuses_a_bad_line(tmp_
     common = ["--save_dir", str(out), "--device", "cpu", "--pairs_data", str(data)]
     assert eval_model.main(["--weight", "dpo", *common, "--ref_weight", "full_sft"]) == 0
     printed = capsys.readouterr().out
-    assert printed.startswith(f"{data}: 4 pairs, chosen answer likelier in ") and "implicit reward (vs full_sft)" in printed
+    assert printed.startswith(f"{data}: 4 pairs, chosen answer likelier in ")
+    assert "implicit reward (vs full_sft) higher in " in printed
 
     bad = write_jsonl(tmp_path / "bad.jsonl", [*sum_pairs(1), {"chosen": []}])
     assert eval_model.main(["--weight", "dpo", *common[:-1], str(bad)]) == 2

@@ -11,12 +11,10 @@ out/full_sft_{hidden}.pth by default: the policy's start and the reference are t
     ... --from_resume 1                                             # continue, also on another GPU count
     ... --parallel fsdp                                             # the reference model is sharded too
 
-Writes out/dpo_{hidden}.pth and checkpoints/; a checkpoint names the reference file by its hash, and a resume
-refuses a changed one.
-
-What changes from train_full_sft.py: the lines marked `# dpo`. The SFT lines it drops: the two augmentation
-flags `--system_prompt_ratio` and `--drop_empty_think_ratio` with `SFTDataset`'s arguments for them, and
-`train_ds.set_epoch` (DPODataset draws nothing per epoch).
+Writes out/dpo_{hidden}.pth and checkpoints/; a checkpoint names the reference by its file's hash (a resume
+refuses a changed one). What changes from train_full_sft.py: the lines marked `# dpo`. The SFT lines it drops: the
+two augmentation flags `--system_prompt_ratio` and `--drop_empty_think_ratio` with `SFTDataset`'s arguments for
+them, and `train_ds.set_epoch` (DPODataset draws nothing per epoch).
 """
 
 import argparse
@@ -59,7 +57,7 @@ from trainer.trainer_utils import (REPO_ROOT, IndexedDataset, Position, RunSpec,
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     a = parser.add_argument
-    a("--data_path", default=str(REPO_ROOT / "dataset" / "dpo_demo.jsonl"), help="JSONL of chosen/rejected pairs")  # dpo
+    a("--data_path", default=str(REPO_ROOT / "dataset" / "dpo_demo.jsonl"), help="JSONL of answer pairs")  # dpo
     a("--save_dir", default=str(REPO_ROOT / "out"), help="where the FP16 inference weights go")
     a("--checkpoint_dir", default=str(REPO_ROOT / "checkpoints"), help="where the resume state goes")
     a("--save_weight", default="dpo", help="name prefix of the saved files")  # dpo
@@ -139,8 +137,9 @@ def preference_validation(model, ref_model, dataset, batch_size: int, device, au
     return loss_sum / max(pairs, 1), preferred / max(pairs, 1), int(pairs)
 
 
-def train_epoch(args, at: Position, model, ref_model, optimizer, scaler, autocast, train_ds, val_ds, run: RunSpec,  # dpo
-                lm_config, dist_info, judge: StepJudge, tracker: Tracker, saver: BackgroundSaver) -> Position:
+def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds, val_ds, run: RunSpec,
+                lm_config, dist_info, judge: StepJudge, tracker: Tracker, saver: BackgroundSaver,  # dpo
+                ref_model: torch.nn.Module) -> Position:  # dpo: the frozen reference
     """Train from `at` to its epoch's end, a stop or --max_steps, saving at intervals; a rollback raises."""
     n, global_batch, rank, world_size = run.num_samples, run.global_batch, dist_info.rank, dist_info.world_size
     sampler = SkipBatchSampler(epoch_order(args.seed, at.epoch, n), at.samples_consumed, global_batch,
@@ -158,20 +157,20 @@ def train_epoch(args, at: Position, model, ref_model, optimizer, scaler, autocas
         lr = get_lr(progress, args.learning_rate, args.warmup_ratio) * judge.lr_scale  # (lower after a rollback)
         on_device = [(x.to(dist_info.device, non_blocking=True), y.to(dist_info.device, non_blocking=True))
                      for _, x, y in micro_batches]
-        # The loss is a sum over pairs divided by the real pairs in the WHOLE global batch
+        # The loss is a sum over pairs divided by the real pairs in the WHOLE global batch  # dpo
         # (all ranks, all micro-steps), so the gradient does not depend on how the batch is split.
-        local_pairs = sum(real_pairs(y).sum() for _, y in on_device).double()
-        global_pairs = sum_over_ranks(local_pairs.clone())
-        loss_scale = world_size / global_pairs.clamp(min=1.0)  # x world_size: DDP averages over ranks
+        local_pairs = sum(real_pairs(y).sum() for _, y in on_device).double()  # dpo
+        global_pairs = sum_over_ranks(local_pairs.clone())  # dpo
+        loss_scale = world_size / global_pairs.clamp(min=1.0)  # dpo: x world_size, as DDP averages over ranks
         loss_sum = torch.zeros((), dtype=torch.float64, device=dist_info.device)
         for i, (input_ids, labels) in enumerate(on_device):
             # Only the last micro-step all-reduces the gradients; the others just accumulate.
             with no_sync(model) if i < len(on_device) - 1 else nullcontext():
                 with autocast:
-                    losses, _, aux_loss = pair_losses(model, ref_model, input_ids, labels, args.beta)
-                    loss = losses.sum() * loss_scale + aux_loss / len(on_device)
+                    losses, _, aux_loss = pair_losses(model, ref_model, input_ids, labels, args.beta)  # dpo
+                    loss = losses.sum() * loss_scale + aux_loss / len(on_device)  # dpo
                 scaler.scale(loss).backward()
-            loss_sum += losses.detach().sum().double()
+            loss_sum += losses.detach().sum().double()  # dpo
         scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         for group in optimizer.param_groups:
@@ -183,7 +182,7 @@ def train_epoch(args, at: Position, model, ref_model, optimizer, scaler, autocas
         after = at.after(window, n)
         step = Step(after.global_step, at.epoch, at.samples_consumed, after.samples_consumed, lr,
                     trained_indices(micro_batches), sum(x.numel() for x, _ in on_device))
-        judge.add(step, loss_sum, local_pairs, global_pairs, grad_norm, stepped_over)  # (kept on the device)
+        judge.add(step, loss_sum, local_pairs, global_pairs, grad_norm, stepped_over)  # dpo: (kept on the device)
         at = after
         # ---- step N's log line, validation and save, at their intervals ------------------------------
         last = judge.last_step(args.max_steps) or at.epoch == args.epochs  # a stop on any rank, --max_steps, the end
@@ -195,8 +194,8 @@ def train_epoch(args, at: Position, model, ref_model, optimizer, scaler, autocas
         if log_now:
             tracker.log(metrics, at.global_step, total_steps(at, n, global_batch, args.epochs))
         if validate:
-            tracker.preference_validation(at.global_step, *preference_validation(  # the DPO validation_loss(
-                unwrap(model), ref_model, val_ds, args.batch_size, dist_info.device, autocast, args.beta))
+            tracker.preference_validation(at.global_step, *preference_validation(  # dpo: the DPO validation_loss(
+                unwrap(model), ref_model, val_ds, args.batch_size, dist_info.device, autocast, args.beta))  # dpo
         if save_now:
             started = time.perf_counter()
             kept = lm_checkpoint(lm_config, args.save_weight, model, optimizer, at.epoch,
@@ -277,8 +276,8 @@ def main() -> None:
     with tracker, saver:  # on an error: the save in flight completes and the status file says "failed"
         while at.epoch < args.epochs and not judge.stopped:
             try:
-                at = train_epoch(args, at, model, ref_model, optimizer, scaler, autocast, train_ds, val_ds, run,  # dpo
-                                 lm_config, dist_info, judge, tracker, saver)  # dpo
+                at = train_epoch(args, at, model, optimizer, scaler, autocast, train_ds, val_ds, run, lm_config,
+                                 dist_info, judge, tracker, saver, ref_model)  # dpo
             except Rollback as rollback:  # back to the newest checkpoint; the bad window is stepped over
                 optimizer.zero_grad(set_to_none=True)
                 finish_saves(saver)  # the newest checkpoint must be complete before we look for it
