@@ -6,7 +6,9 @@ with real python/torchrun processes are in tests/test_dpo_runs.py.
 from __future__ import annotations
 
 import json
+import math
 import os
+from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,7 +23,7 @@ from dataset.lm_dataset import IGNORE_INDEX
 from eval_choices import pair_logprobs, score_pairs
 from model.model import CausalLM, LMConfig
 from model.tokenizer import DEFAULT_TOKENIZER, PAD_ID, load_tokenizer
-from trainer.train_dpo import dpo_loss, pair_losses, real_pairs
+from trainer.train_dpo import dpo_loss, pair_losses, preference_validation, real_pairs
 
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
@@ -229,6 +231,19 @@ def test_pair_scores_count_the_pairs_whose_chosen_answer_is_likelier(tmp_path, t
     assert score_pairs(logps, logps)["reward_accuracy"] == 0.0  # the policy as its own reference: no reward
     # Swapping chosen and rejected swaps the answer on every pair whose log-probabilities differ.
     assert score_pairs(logps.flip(1), None)["accuracy"] == 1 - scores["accuracy"]
+
+
+def test_the_trainers_validation_agrees_with_eval_models_pair_scores(tmp_path, tokenizer):
+    dataset = DPODataset(write_jsonl(tmp_path / "pairs.jsonl", sum_pairs(7)), tokenizer, 64)
+    torch.manual_seed(1)
+    policy, reference = (CausalLM(LMConfig(vocab_size=tokenizer.get_vocab_size(), **TINY)) for _ in range(2))
+    loss, accuracy, pairs = preference_validation(policy, reference.eval(), dataset, 3, torch.device("cpu"),
+                                                  nullcontext(), beta=0.5)
+    logps, ref_logps = (pair_logprobs(model.eval(), dataset, batch_size=4) for model in (policy, reference))
+    assert pairs == 7 and accuracy == score_pairs(logps, ref_logps)["reward_accuracy"]
+    assert 0 < accuracy < 1  # both outcomes occur, so the comparison is not vacuous
+    losses, _ = dpo_loss(logps, ref_logps, beta=0.5)
+    assert math.isclose(loss, float(losses.mean()), rel_tol=1e-5)
 
 
 def test_eval_model_pairs_data_prints_the_accuracies_and_refuses_a_bad_line(tmp_path, tokenizer, capsys):
