@@ -112,6 +112,15 @@ def test_a_bad_pair_is_refused_at_indexing_naming_the_file_line_and_the_fix(tmp_
                                                                                   "again.") and "\n" not in message
 
 
+def test_dpo_starts_from_trained_weights_and_says_so():
+    from argparse import Namespace
+
+    from trainer.hardening.resume_checks import ConfigError
+    from trainer.trainer_utils import frozen_model
+    with pytest.raises(ConfigError, match="--from_weight none: this stage starts from trained weights; name them"):
+        frozen_model(Namespace(from_weight="none"), None, print)
+
+
 # ---- the loss --------------------------------------------------------------------------------
 
 def trl_sigmoid_loss(chosen, rejected, ref_chosen, ref_rejected, beta):

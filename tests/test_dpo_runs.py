@@ -1,9 +1,9 @@
 """trainer/train_dpo.py keeps every guarantee of the SFT stage, proven with real python/torchrun gloo processes
-at the TINY_MODEL size: the same gradient however the global batch is split (and under python or torchrun);
-a resume on the same rank count bit-identical, under DDP and FSDP (the reference sharded too), with the anomaly
-guard, validation, the metrics and status files, rotated checkpoints and the tracker run id carried over; a
-changed reference file refused; a resume on 2 -> 3 -> 1 ranks training each pair once; a SIGTERM that saves;
-one-line errors for bad flags and data.
+at the TINY_MODEL size: the same gradient however the global batch is split, under python or torchrun, DDP-free or
+FSDP (the reference sharded too), across a resume; one-line errors for bad flags and data. Behind
+TRAINER_SLOW_TESTS=1: a resume on the same rank count bit-identical, under DDP and FSDP, with the anomaly guard,
+validation, the metrics and status files, rotated checkpoints and the tracker run id carried over, and a changed
+reference file refused; a resume on 2 -> 3 -> 1 ranks training each pair once; a SIGTERM that saves.
 """
 
 from __future__ import annotations
@@ -55,17 +55,23 @@ def by_step(trace: list[dict], field: str) -> dict[int, list]:
             for step in sorted({r["step"] for r in trace})}
 
 
-def test_one_rank_two_micro_steps_and_two_ranks_one_give_the_same_gradient(tmp_path, dpo_data):
-    # 5 pairs, a global batch of 4: step 2 has one pair, so on 2 ranks rank 1 trains the loader's placeholder.
+def test_one_rank_two_micro_steps_and_two_sharded_ranks_one_give_the_same_gradient_across_a_resume(tmp_path):
+    # 5 pairs, a global batch of 4: step 2 has one pair, so on 2 ranks rank 1 trains the loader's placeholder. The
+    # 2-rank run is FSDP (the reference sharded too), stopped after step 1 and resumed.
     data = write_jsonl(tmp_path / "five.jsonl", sum_pairs(5))
-    common = ["--epochs", "1", "--grad_clip", "inf", "--save_interval", "1", "--keep_last", "2"]
+    common = ["--epochs", "1", "--grad_clip", "inf", "--save_interval", "1", "--keep_last", "2", "--batch_size", "2"]
     one, two = tmp_path / "one", tmp_path / "two"
-    train(SCRIPT, None, dpo_args(one, data, *common, "--batch_size", "2", "--accumulation_steps", "2"), tmp_path)
-    train(SCRIPT, 2, dpo_args(two, data, *common, "--batch_size", "2", "--accumulation_steps", "1"), tmp_path)
+    train(SCRIPT, None, dpo_args(one, data, *common, "--accumulation_steps", "2"), tmp_path)
+    sharded = dpo_args(two, data, *common, "--accumulation_steps", "1", "--parallel", "fsdp")
+    train(SCRIPT, 2, [*sharded, "--max_steps", "1"], tmp_path)
+    train(SCRIPT, 2, [*sharded, "--from_resume", "1"], tmp_path)
+    assert events_of(two, RUN) == [("resume", 1)]
     assert by_step(trace_of(two), "samples")[2][1] == []  # rank 1's share of step 2: the placeholder
+    files = cio.RunFiles(two / "ckpt", RUN)
     for step in (1, 2):
         # AdamW's first moment after step 1 is 0.1 x the gradient, after step 2 0.09 x the first + 0.1 x the second.
-        a, b = (history_file(run, step, RUN)["optimizer"]["state"] for run in (one, two))
+        a = history_file(one, step, RUN)["optimizer"]["state"]
+        b = consolidate(files.history_dir / f"step_{step:08d}.dcp")["optimizer"]["state"]
         assert a.keys() == b.keys() and len(a) > 0
         for number in a:  # float32 summation order only: measured at most 1e-6 of each tensor's norm
             difference = (a[number]["exp_avg"] - b[number]["exp_avg"]).norm() / a[number]["exp_avg"].norm()
@@ -74,7 +80,8 @@ def test_one_rank_two_micro_steps_and_two_ranks_one_give_the_same_gradient(tmp_p
     assert losses[one] == pytest.approx(losses[two], rel=1e-6) and len(losses[one]) == 2
 
 
-@pytest.mark.parametrize("parallel", ["fsdp", pytest.param("ddp", marks=SLOW)])
+@SLOW
+@pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
 def test_a_resume_on_the_same_rank_count_is_bit_identical_and_a_changed_reference_is_refused(
         tmp_path, dpo_data, parallel):
     # 11 pairs on 2 ranks of 1: 6 steps, the last short. Step 2's loss is NaN (skipped under warn); saves every 2
@@ -118,8 +125,7 @@ def test_a_resume_on_the_same_rank_count_is_bit_identical_and_a_changed_referenc
 def test_bad_flags_and_data_are_one_line_each_with_exit_2(tmp_path, dpo_data):
     bad = write_jsonl(tmp_path / "bad.jsonl", [*sum_pairs(2), {"chosen": sum_pairs(1)[0]["chosen"]}])
     for extra, line in [(["--beta", "0"], "error: --beta 0.0: must be a finite number > 0"),
-                        (["--data_path", str(bad)], f'error: {bad}, line 3: no "rejected": each line is'),
-                        (["--from_weight", "none"], "error: --from_weight none: this stage starts from trained")]:
+                        (["--data_path", str(bad)], f'error: {bad}, line 3: no "rejected": each line is')]:
         result = train(SCRIPT, None, [*dpo_args(tmp_path, dpo_data), *extra], tmp_path, check=False)
         assert result.returncode == 2 and result.stderr.startswith(line), (extra, result.stderr[-2000:])
         assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
