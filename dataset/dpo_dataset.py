@@ -8,7 +8,9 @@ chat template. The prompt, every message before the last assistant turn, must be
 only the answers differ. The labels cover the last assistant turn only (after its
 `<|im_start|>assistant\\n` header, through `<|im_end|>\\n`), so an answer's log-probability is summed over
 its own tokens. Item i is (input_ids, labels), each [2, max_seq_len]: row 0 chosen, row 1 rejected, so the
-loop runs one forward over both. A bad line stops the run before training, naming the file and line.
+loop runs one forward over both. A bad line stops the run before training, naming the file and line. A pair
+whose answer lies wholly beyond max_seq_len keeps no label, and the loss counts it as no pair (train_dpo.real_pairs),
+as it does the loader's placeholder: raise --max_seq_len if the trace's local_tokens (pairs) run short.
 """
 
 from __future__ import annotations
