@@ -20,11 +20,20 @@ reports lm-eval's three picks:
     acc_bytes  the highest log-probability per UTF-8 byte of the choice
 each also centred on chance: (acc - chance) / (1 - chance), chance being the mean of 1/len(choices),
 so 0 is guessing and 1 is every item right whatever the number of choices.
+
+Preference pairs (DPO's data, dataset/dpo_dataset.py) are scored the same way, two choices to a prompt:
+
+    python eval_model.py --weight dpo --pairs_data dataset/dpo_demo.jsonl --ref_weight full_sft
+
+accuracy: the share of pairs whose chosen answer has the higher summed log-probability; with a reference
+model, reward_accuracy: the share whose DPO implicit reward, log p(answer) - log p_ref(answer), is higher
+for the chosen answer (what DPO training raises; trainer/train_dpo.py's validation accuracy).
 """
 
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -166,6 +175,42 @@ def format_choice_scores(scores: dict[str, float], n_items: int) -> str:
     for metric in ("acc", "acc_norm", "acc_bytes"):
         lines.append(f"  {metric:<9} {scores[metric]:.4f}   centred on chance {scores[metric + '_centred']:+.4f}")
     return "\n".join(lines)
+
+
+# ---- preference pairs -------------------------------------------------------------------------
+
+def pair_logprobs(model: torch.nn.Module, dataset, batch_size: int = 16, progress: bool = False) -> torch.Tensor:
+    """[pairs, 2], float64: each answer's log-probability, summed over its tokens, given its prompt. `dataset`
+    is a DPODataset (item: input_ids and labels, [2, T], chosen then rejected); `model` this project's."""
+    device = next(model.parameters()).device
+    # FP16 weights on a GPU: under autocast the per-token loss is computed in FP32 (as eval_model.file_loss)
+    autocast = torch.autocast("cuda", dtype=torch.float16) if device.type == "cuda" else nullcontext()
+    logps = []
+    for start in tqdm(range(0, len(dataset), batch_size), desc="scoring pairs", unit="batch", disable=not progress):
+        items = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
+        input_ids, labels = (torch.stack(column).flatten(0, 1).to(device) for column in zip(*items))
+        with torch.inference_mode(), autocast:
+            per_token = model(input_ids, labels=labels, loss_reduction="none").loss  # -log p, 0 off the answer
+        logps.append(-per_token.double().sum(dim=1).view(-1, 2).cpu())
+    return torch.cat(logps)
+
+
+def score_pairs(logps: torch.Tensor, ref_logps: torch.Tensor | None) -> dict[str, float]:
+    """accuracy: the share of pairs whose chosen answer is likelier; with `ref_logps`, reward_accuracy: the share
+    whose implicit reward (log-probability above the reference's) is higher for the chosen answer. Ties count
+    as not preferred."""
+    scores = {"pairs": len(logps), "accuracy": float((logps[:, 0] > logps[:, 1]).double().mean())}
+    if ref_logps is not None:
+        rewards = logps - ref_logps
+        scores["reward_accuracy"] = float((rewards[:, 0] > rewards[:, 1]).double().mean())
+    return scores
+
+
+def format_pair_scores(scores: dict[str, float], path: str, ref_weight: str | None) -> str:
+    line = f"{path}: {scores['pairs']} pairs, chosen answer likelier in {scores['accuracy']:.4f}"
+    if "reward_accuracy" in scores:
+        line += f"; its implicit reward (vs {ref_weight}) higher in {scores['reward_accuracy']:.4f}"
+    return line
 
 
 # ---- a Hugging Face model ---------------------------------------------------------------------

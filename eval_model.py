@@ -21,6 +21,8 @@ file when --save_dir holds several of one --weight:
     # multiple-choice accuracy by log-likelihood, as lm-eval scores ARC or C-Eval (eval_choices.py)
     python eval_model.py --weight pretrain --mc_data my_choices.jsonl
     python eval_model.py --hf_model hf_model --mc_data my_choices.jsonl   # a scripts/export_hf.py folder
+    # preference pairs (DPO's format): how often the chosen answer is likelier, and its implicit reward higher
+    python eval_model.py --weight dpo --pairs_data dataset/dpo_demo.jsonl --ref_weight full_sft
 
 The eval file uses the SFT format; the last message of each conversation must be the assistant's
 reference answer. Everything before it is the prompt, rendered by dataset/chat_format.py exactly as
@@ -46,9 +48,10 @@ import torch
 from tokenizers import Tokenizer
 
 from dataset.chat_format import ChatEncoder, parse_conversation, render_segments
+from dataset.dpo_dataset import DPODataset
 from dataset.lm_dataset import PretrainDataset, SFTDataset
-from eval_choices import choice_loglikelihoods, format_choice_scores, load_hf_model, picks, read_choice_items, \
-    score_choices
+from eval_choices import choice_loglikelihoods, format_choice_scores, format_pair_scores, load_hf_model, \
+    pair_logprobs, picks, read_choice_items, score_choices, score_pairs
 from model.hf import load_project_weights
 from model.lora import load_lora, note_if_another_base
 from model.model import CausalLM
@@ -270,6 +273,24 @@ def evaluate_choices(args: argparse.Namespace) -> int:
     return 0
 
 
+def evaluate_pairs(args: argparse.Namespace) -> int:
+    """--pairs_data: the share of pairs whose chosen answer is likelier; with --ref_weight, whose implicit DPO
+    reward is higher (eval_choices.score_pairs)."""
+    device, tokenizer = torch.device(args.device), load_tokenizer(args.tokenizer_path)
+    try:
+        dataset = DPODataset(args.pairs_data, tokenizer, args.max_seq_len)  # a bad line: before a model is loaded
+        weights = [args.weight] + ([args.ref_weight] if args.ref_weight else [])
+        models = [load_model(argparse.Namespace(**{**vars(args), "weight": weight}), tokenizer, device,
+                             log=lambda line: print(line, file=sys.stderr)) for weight in weights]
+    except (FileNotFoundError, RuntimeError, ValueError) as error:  # DataFileError is a ValueError
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    logps = [pair_logprobs(model, dataset, args.batch_size) for model in models]
+    print(format_pair_scores(score_pairs(logps[0], logps[1] if args.ref_weight else None), args.pairs_data,
+                             args.ref_weight), flush=True)
+    return 0
+
+
 # ---- interactive loop -----------------------------------------------------------------------
 
 def chat_loop(model: CausalLM, tokenizer: Tokenizer, args: argparse.Namespace, raw_text: bool,
@@ -330,9 +351,11 @@ def build_arg_parser() -> argparse.ArgumentParser:
     a("--mc_data", default=None, help='JSONL of {"question", "choices", "answer"}: multiple-choice accuracy '
                                       "by log-likelihood (eval_choices.py)")
     a("--hf_model", default=None, help="with --mc_data: score this Hugging Face model folder instead of out/*.pth")
-    a("--batch_size", type=int, default=16, help="with --mc_data: texts per forward pass")
+    a("--batch_size", type=int, default=16, help="with --mc_data (--pairs_data): texts (pairs) per forward pass")
+    a("--pairs_data", default=None, help='JSONL of {"chosen", "rejected"} pairs: how often the chosen answer wins')
+    a("--ref_weight", default=None, help="with --pairs_data: the reference, for the implicit reward's accuracy")
     a("--bpb_data", default=None, help="JSONL of text or SFT lines: report the loss per token and bits per byte")
-    a("--max_seq_len", type=int, default=340, help="with --bpb_data: each record is cut to it, as in training")
+    a("--max_seq_len", type=int, default=340, help="with --bpb_data, --pairs_data: records are cut to it, as trained")
     a("--temperature", type=float, default=0.0, help="0 = greedy")
     a("--top_p", type=float, default=1.0)
     a("--top_k", type=int, default=0, help="0 = no top-k cut")
@@ -348,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--hf_model is read only with --mc_data")
     if args.mc_data:
         return evaluate_choices(args)
+    if args.pairs_data:
+        return evaluate_pairs(args)
     torch.manual_seed(args.seed)
     tokenizer = load_tokenizer(args.tokenizer_path)
     if args.bpb_data and not Path(args.bpb_data).is_file():  # said before the model is loaded

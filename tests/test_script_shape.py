@@ -1,6 +1,6 @@
 """The shape a learner relies on: each script carries its whole loop, and the two differ only where
-pretraining and SFT differ (the lines marked `# stage`), LoRA's from SFT's only where LoRA differs (`# lora`);
-imports point one way."""
+pretraining and SFT differ (the lines marked `# stage`); LoRA's and DPO's are SFT's with the lines marked
+`# lora` and `# dpo` changed; imports point one way."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ from pathlib import Path
 from conftest import REPO
 
 SCRIPTS = ("train_pretrain.py", "train_full_sft.py")
-ALL_SCRIPTS = (*SCRIPTS, "train_lora.py")  # each later stage's script is held to train_full_sft.py below
+ALL_SCRIPTS = (*SCRIPTS, "train_lora.py", "train_dpo.py")  # each later stage's script is held to train_full_sft.py
+# nanoGPT's train.py is about 340 lines; the guard's verdicts live in hardening/step_judge.py. The later stages'
+# docstrings list what they change from SFT's.
+MAX_LINES = {"train_pretrain.py": 260, "train_full_sft.py": 260, "train_lora.py": 300, "train_dpo.py": 300}
 
 
 def common_text(script: str) -> list[str]:
@@ -65,6 +68,41 @@ STEP_N_IN_ORDER = ("get_lr(", "no_sync(model)", ".backward()", "scaler.unscale_(
                    "lm_checkpoint(")
 
 
+def dpo_lines() -> list[tuple[str, bool]]:
+    """train_dpo.py without its module docstring and blank lines: (line, marked), marked where the line says
+    `# dpo` or belongs to a function (or its decorator) that train_full_sft.py lacks and whose `def` line says it."""
+    source = (REPO / "trainer" / "train_dpo.py").read_text(encoding="utf-8")
+    tree = ast.parse(source)
+    lines = source.splitlines()
+    sft_functions = {node.name for node in ast.parse((REPO / "trainer" / "train_full_sft.py").read_text(
+        encoding="utf-8")).body if isinstance(node, ast.FunctionDef)}
+    in_marked_function = set()
+    for node in tree.body:
+        if (isinstance(node, ast.FunctionDef) and node.name not in sft_functions
+                and re.search(r"# dpo\b", lines[node.lineno - 1])):
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            in_marked_function.update(range(first, node.end_lineno + 1))
+    return [(line, number in in_marked_function or re.search(r"# dpo\b", line) is not None)
+            for number, line in enumerate(lines, start=1) if number > tree.body[0].end_lineno and line.strip()]
+
+
+def test_train_dpo_is_train_full_sft_apart_from_the_lines_marked_dpo():
+    sft_source = (REPO / "trainer" / "train_full_sft.py").read_text(encoding="utf-8")
+    sft = [line for line in sft_source.splitlines()[ast.parse(sft_source).body[0].end_lineno:] if line.strip()]
+    dpo = dpo_lines()
+    unmarked_added, dropped = [], []
+    matcher = difflib.SequenceMatcher(None, sft, [line for line, _ in dpo], autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        unmarked_added += [line for line, marked in dpo[j1:j2] if not marked and tag != "equal"]
+        dropped += sft[i1:i2] if tag == "delete" else []  # (a "replace" is SFT's lines changed into `# dpo` ones)
+    assert not unmarked_added, "lines of train_dpo.py that differ from train_full_sft.py without `# dpo`:\n" + \
+        "\n".join(unmarked_added)
+    docstring = ast.get_docstring(ast.parse((REPO / "trainer" / "train_dpo.py").read_text(encoding="utf-8")))
+    listed = re.findall(r"`([^`]+)`", docstring[docstring.index("What changes from train_full_sft.py"):])
+    unlisted = [line for line in dropped if not any(name in line for name in listed)]
+    assert not unlisted and len(dropped) <= 5, f"SFT lines train_dpo.py drops, not in its docstring: {unlisted}"
+
+
 def test_each_script_writes_out_the_step_the_save_and_the_sampler():
     for script in ALL_SCRIPTS:
         text = (REPO / "trainer" / script).read_text(encoding="utf-8")
@@ -75,10 +113,7 @@ def test_each_script_writes_out_the_step_the_save_and_the_sampler():
         assert all(loop.count(piece) == 1 for piece in STEP_N_IN_ORDER), "each happens once in an iteration"
         sections = re.findall(r"# ---- (\d+)\. ", text)
         assert sections == [str(i) for i in range(1, len(sections) + 1)] and len(sections) >= 8, sections
-        # nanoGPT's train.py is about 340 lines; the guard's verdicts live in hardening/step_judge.py. LoRA's
-        # docstring lists what it changes from SFT's.
-        limit = 300 if script == "train_lora.py" else 260
-        assert len(text.splitlines()) <= limit, f"{script} has {len(text.splitlines())} lines"
+        assert len(text.splitlines()) <= MAX_LINES[script], f"{script} has {len(text.splitlines())} lines"
         tree = ast.parse(text)
         assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Nonlocal, ast.Global, ast.Lambda))], script
         nested = [inner.name for outer in ast.walk(tree) if isinstance(outer, ast.FunctionDef)
@@ -159,7 +194,8 @@ def test_the_loop_and_lm_checkpoint_read_as_simply_as_minimind():
     scores.update({f"trainer_utils.py:{f.name}": f.complexity
                    for f in complexipy.file_complexity(str(REPO / "trainer" / "trainer_utils.py")).functions
                    if f.name == "lm_checkpoint"})
-    expected = {"train_pretrain.py:train_epoch", "train_lora.py:train_epoch", "trainer_utils.py:lm_checkpoint"}
+    expected = {"train_pretrain.py:train_epoch", "train_lora.py:train_epoch", "train_dpo.py:train_epoch",
+                "trainer_utils.py:lm_checkpoint"}
     assert expected <= set(scores), scores
     assert all(score <= 30 for score in scores.values()), scores
 

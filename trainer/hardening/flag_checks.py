@@ -73,6 +73,8 @@ RANGES = {
     "lora_rank": ("an integer >= 1 (the rank r of each adapter's A and B)", lambda v: v >= 1),
     "lora_alpha": ("a finite number > 0 (the adapter's update is scaled by lora_alpha / lora_rank)",
                    lambda v: 0 < v < math.inf),
+    "beta": ("a finite number > 0 (DPO: how far the policy may move from the reference; 0.1 is usual)",
+             lambda v: 0 < v < math.inf),
 }
 LOGGERS = ("console", "file", "wandb", "swanlab")
 

@@ -177,10 +177,11 @@ class MetricsFileWriter:
         self._update_status(current_step=metrics["step"], epoch=metrics.get("epoch"), latest_metrics=record,
                             total_steps=total_steps)
 
-    def validation(self, step: int, loss: float, bpb: float | None = None) -> None:
-        """The loss per token and, if given, the bits per byte (`val/bpb`) of a validation at `step`."""
+    def validation(self, step: int, loss: float, bpb: float | None = None, **more: float) -> None:
+        """The loss per token and, if given, the bits per byte (`val/bpb`) of a validation at `step`; `more`:
+        other numbers of it, as `val/{name}` (DPO's accuracy)."""
         record = {"step": step, "val/loss": loss, **({"val/bpb": bpb} if bpb is not None else {}),
-                  "timestamp": time.time()}
+                  **{f"val/{name}": value for name, value in more.items()}, "timestamp": time.time()}
         self._append(record)
         self._update_status(latest_val=record)
 

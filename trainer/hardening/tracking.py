@@ -307,6 +307,17 @@ class Tracker:
         for run in self.runs.values():
             run.log({"val/loss": result.loss, "val/bpb": result.bpb}, step=step)
 
+    def preference_validation(self, step: int, loss: float, accuracy: float, pairs: int) -> None:
+        """DPO's validation at `step`: its loss on the held-out pairs, and the share whose implicit reward prefers
+        the chosen answer."""
+        if self.console:
+            print(f"validation at step {step}: val/loss {loss:.4f} val/accuracy {accuracy:.4f} ({pairs} pairs)",
+                  flush=True)
+        if self.files is not None:
+            self.files.validation(step, loss, accuracy=accuracy)
+        for run in self.runs.values():
+            run.log({"val/loss": loss, "val/accuracy": accuracy}, step=step)
+
     def anomaly(self, step: int, reason: str) -> None:
         if self.files is not None:
             self.files.anomaly(step, reason)

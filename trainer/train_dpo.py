@@ -1,0 +1,299 @@
+"""Direct preference optimisation (DPO): teach a fine-tuned model to prefer the chosen answer of each pair.
+
+For each pair of answers to one prompt, the policy (the model trained) and a frozen copy of where it started
+(the reference) give each answer's log-probability, summed over the answer's tokens; the loss
+-log sigmoid(beta * ((pi_chosen - ref_chosen) - (pi_rejected - ref_rejected))) rewards the policy for raising
+the chosen answer more than the rejected one, relative to the reference (dpo_loss). Starts from
+out/full_sft_{hidden}.pth by default: the policy's start and the reference are that file. Run it from a plain clone:
+
+    python trainer/train_dpo.py                                     # one process (CPU or one GPU)
+    torchrun --nproc_per_node 2 trainer/train_dpo.py                # 2 GPUs (or 2 CPU ranks) on one node
+    ... --from_resume 1                                             # continue, also on another GPU count
+    ... --parallel fsdp                                             # the reference model is sharded too
+
+Writes out/dpo_{hidden}.pth and checkpoints/; a checkpoint names the reference by its file's hash (a resume
+refuses a changed one). What changes from train_full_sft.py: the lines marked `# dpo`. The SFT lines it drops: the
+two augmentation flags `--system_prompt_ratio` and `--drop_empty_think_ratio` with `SFTDataset`'s arguments for
+them, and `train_ds.set_epoch` (DPODataset draws nothing per epoch).
+"""
+
+import argparse
+import math  # dpo
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: the repository, not this folder, goes first on the import path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import torch
+import torch.distributed as dist  # dpo
+import torch.nn.functional as F  # dpo
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+
+from dataset.dpo_dataset import DPODataset  # dpo
+from model.tokenizer import load_tokenizer
+from trainer.hardening.anomaly import install_debug_injection
+from trainer.hardening.background_save import BackgroundSaver, finish_saves
+from trainer.hardening.flag_checks import check_flags
+from trainer.hardening.operator_flags import add_operator_flags
+from trainer.hardening.process_exit import cleanup_distributed, run_script
+from trainer.hardening.resume_checks import data_fingerprint, resume_settings
+from trainer.hardening.run_lock import claim_run_directories
+from trainer.hardening.sharding import no_sync, shard_model
+from trainer.hardening.step_judge import Rollback, Step, StepJudge
+from trainer.hardening.stopping import end_of_run, loader_worker_ignores_stops
+from trainer.hardening.tracking import Tracker, flops_per_token  # dpo: (its own validation, below)
+from trainer.trainer_utils import (REPO_ROOT, IndexedDataset, Position, RunSpec, SkipBatchSampler, epoch_order, get_lr,
+                                   frozen_model,  # dpo
+                                   given_sizes, init_distributed, init_model, lm_checkpoint, model_config,
+                                   optimizer_step, rank0_logger, resolve_accumulation, restore_training_state,
+                                   run_name, setup_seed, step_in_epoch, sum_over_ranks, total_steps, trained_indices,
+                                   unwrap)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    a = parser.add_argument
+    a("--data_path", default=str(REPO_ROOT / "dataset" / "dpo_demo.jsonl"), help="JSONL of answer pairs")  # dpo
+    a("--save_dir", default=str(REPO_ROOT / "out"), help="where the FP16 inference weights go")
+    a("--checkpoint_dir", default=str(REPO_ROOT / "checkpoints"), help="where the resume state goes")
+    a("--save_weight", default="dpo", help="name prefix of the saved files")  # dpo
+    a("--from_weight", default="full_sft", help="the weights in --save_dir to start from, and the reference")  # dpo
+    a("--from_resume", type=int, default=0, choices=(0, 1), help="1: continue from the newest good checkpoint")
+    a("--epochs", type=int, default=1)  # dpo
+    a("--batch_size", type=int, default=4, help="pairs per micro-batch per rank (2 rows each)")  # dpo
+    a("--accumulation_steps", type=int, default=1)
+    a("--global_batch_size", type=int, default=None,
+      help="samples per optimizer step; derives accumulation_steps and keeps steps identical on any GPU count")
+    a("--learning_rate", type=float, default=1e-6)  # dpo: small, as DPO moves a model already trained
+    a("--warmup_ratio", type=float, default=0.01)
+    a("--max_seq_len", type=int, default=340)
+    a("--hidden_size", type=int, default=512)
+    a("--num_hidden_layers", type=int, default=8)
+    a("--num_attention_heads", type=int, default=8)
+    a("--num_key_value_heads", type=int, default=4)
+    a("--use_moe", type=int, default=0, choices=(0, 1))
+    a("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+      help="autocast dtype on CUDA (CPU always trains in float32)")
+    a("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a("--num_workers", type=int, default=1)
+    a("--grad_clip", type=float, default=1.0)
+    a("--log_interval", type=int, default=10, help="optimizer steps between log lines")
+    a("--save_interval", type=int, default=100, help="optimizer steps between checkpoints")
+    a("--max_steps", type=int, default=None, help="stop (and save) after this many steps of this invocation")
+    a("--seed", type=int, default=42)
+    a("--use_compile", type=int, default=None, choices=(0, 1), help="torch.compile (default: 1 on CUDA, 0 on CPU)")
+    a("--parallel", default="ddp", choices=("ddp", "fsdp"), help="fsdp: each GPU keeps a slice of the model")
+    a("--beta", type=float, default=0.1, help="how far from the reference the policy may move: higher, nearer")  # dpo
+    add_operator_flags(parser)  # trackers, kept checkpoints, background saves, metrics, validation, anomaly policy
+    return check_flags(parser.parse_args())  # every value in its range, every path of its kind (exit 2)
+
+
+def dpo_loss(policy_logps: torch.Tensor, reference_logps: torch.Tensor, beta: float):  # dpo
+    """Per pair, from the answers' log-probabilities [pairs, 2] (chosen, rejected): DPO's loss and its margin.
+    The implicit reward of an answer is beta * (pi - ref); the loss pushes the chosen one's above the other's."""
+    chosen_reward = beta * (policy_logps[:, 0] - reference_logps[:, 0])
+    rejected_reward = beta * (policy_logps[:, 1] - reference_logps[:, 1])
+    return -F.logsigmoid(chosen_reward - rejected_reward), chosen_reward - rejected_reward
+
+
+def real_pairs(labels: torch.Tensor) -> torch.Tensor:  # dpo
+    """[pairs]: True where both answers have a label to predict; the loader's placeholder has none."""
+    return (labels[:, :, 1:] != -100).any(dim=2).all(dim=1)  # (position 0 is never predicted)
+
+
+def pair_losses(model, ref_model, input_ids: torch.Tensor, labels: torch.Tensor, beta: float):  # dpo
+    """DPO's loss per pair of a micro-batch ([pairs, 2, T]: one forward over chosen and rejected rows), 0 for a
+    pair without labels; the margins; the policy's MoE aux loss. Log-probabilities: summed over the answer."""
+    rows, targets = input_ids.flatten(0, 1), labels.flatten(0, 1)  # chosen, rejected, chosen, ...
+    out = model(rows, labels=targets, loss_reduction="none")  # per token -log p, 0 where not labelled
+    with torch.no_grad():  # the reference is not trained
+        reference = -ref_model(rows, labels=targets, loss_reduction="none").loss.sum(dim=1).view(-1, 2)
+    losses, margins = dpo_loss(-out.loss.sum(dim=1).view(-1, 2), reference, beta)
+    return torch.where(real_pairs(labels), losses, 0.0), margins, out.aux_loss
+
+
+@torch.no_grad()  # dpo
+def preference_validation(model, ref_model, dataset, batch_size: int, device, autocast, beta: float):  # dpo
+    """DPO's loss and the share of held-out pairs whose implicit reward prefers the chosen answer (each rank
+    every world_size-th pair; as many batches on every rank, as FSDP needs). Returns (loss, accuracy, pairs)."""
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, pairs preferred, pairs
+    indices = list(range(rank, len(dataset), world_size))
+    for start in range(0, math.ceil(math.ceil(len(dataset) / world_size) / batch_size) * batch_size, batch_size):
+        rows = [dataset[i] for i in indices[start:start + batch_size]]
+        rows = rows or [(dataset[0][0], torch.full_like(dataset[0][1], -100))]  # a pair that adds nothing
+        input_ids, labels = (torch.stack(column).to(device) for column in zip(*rows))
+        with autocast:
+            losses, margins, _ = pair_losses(model, ref_model, input_ids, labels, beta)
+        real = real_pairs(labels)
+        totals += torch.stack([losses.sum(), (real & (margins > 0)).sum(), real.sum()]).double()
+    model.train()
+    loss_sum, preferred, pairs = sum_over_ranks(totals).tolist()
+    return loss_sum / max(pairs, 1), preferred / max(pairs, 1), int(pairs)
+
+
+def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds, val_ds, run: RunSpec,
+                lm_config, dist_info, judge: StepJudge, tracker: Tracker, saver: BackgroundSaver,  # dpo
+                ref_model: torch.nn.Module) -> Position:  # dpo: the frozen reference
+    """Train from `at` to its epoch's end, a stop or --max_steps, saving at intervals; a rollback raises."""
+    n, global_batch, rank, world_size = run.num_samples, run.global_batch, dist_info.rank, dist_info.world_size
+    sampler = SkipBatchSampler(epoch_order(args.seed, at.epoch, n), at.samples_consumed, global_batch,
+                               args.batch_size, rank, world_size)
+    # Its own generator: iter() draws a seed from the global RNG, which a resumed run would then not match.
+    batches = iter(DataLoader(IndexedDataset(train_ds), batch_sampler=sampler, num_workers=args.num_workers,
+                              pin_memory=dist_info.device.type == "cuda", worker_init_fn=loader_worker_ignores_stops,
+                              generator=torch.Generator().manual_seed(args.seed * 1_000_003 + at.epoch)))
+    for s in range(sampler.num_steps()):
+        # ---- step N: the next global batch, split over ranks and micro-steps -------------------------
+        micro_batches = [next(batches) for _ in range(sampler.micro_steps_per_step(s))]
+        window = len(sampler.step_window(s))
+        # The LR at the position this step reaches, so the first step already trains.
+        progress = (at.epoch * n + at.samples_consumed + window) / (args.epochs * n)
+        lr = get_lr(progress, args.learning_rate, args.warmup_ratio) * judge.lr_scale  # (lower after a rollback)
+        on_device = [(x.to(dist_info.device, non_blocking=True), y.to(dist_info.device, non_blocking=True))
+                     for _, x, y in micro_batches]
+        # The loss is a sum over pairs divided by the real pairs in the WHOLE global batch  # dpo
+        # (all ranks, all micro-steps), so the gradient does not depend on how the batch is split.
+        local_pairs = sum(real_pairs(y).sum() for _, y in on_device).double()  # dpo
+        global_pairs = sum_over_ranks(local_pairs.clone())  # dpo
+        loss_scale = world_size / global_pairs.clamp(min=1.0)  # dpo: x world_size, as DDP averages over ranks
+        loss_sum = torch.zeros((), dtype=torch.float64, device=dist_info.device)
+        for i, (input_ids, labels) in enumerate(on_device):
+            # Only the last micro-step all-reduces the gradients; the others just accumulate.
+            with no_sync(model) if i < len(on_device) - 1 else nullcontext():
+                with autocast:
+                    losses, _, aux_loss = pair_losses(model, ref_model, input_ids, labels, args.beta)  # dpo
+                    loss = losses.sum() * loss_scale + aux_loss / len(on_device)  # dpo
+                scaler.scale(loss).backward()
+            loss_sum += losses.detach().sum().double()  # dpo
+        scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        stepped_over = judge.steps_over(at.epoch, at.samples_consumed)  # a window that went wrong before a rollback
+        # AdamW's step: skipped on the device, with no wait, where a gradient is not finite (or stepped_over)
+        optimizer_step(optimizer, scaler, grad_norm, skip=stepped_over)
+        optimizer.zero_grad(set_to_none=True)
+        after = at.after(window, n)
+        step = Step(after.global_step, at.epoch, at.samples_consumed, after.samples_consumed, lr,
+                    trained_indices(micro_batches), sum(x.numel() for x, _ in on_device))
+        judge.add(step, loss_sum, local_pairs, global_pairs, grad_norm, stepped_over)  # dpo: (kept on the device)
+        at = after
+        # ---- step N's log line, validation and save, at their intervals ------------------------------
+        last = judge.last_step(args.max_steps) or at.epoch == args.epochs  # a stop on any rank, --max_steps, the end
+        log_now = at.global_step % args.log_interval == 0 or at.samples_consumed == 0 or last
+        validate = val_ds is not None and (at.global_step % args.eval_interval == 0 or last)
+        save_now = at.global_step % args.save_interval == 0 or at.samples_consumed == 0 or last
+        if log_now or validate or save_now:  # the host waits for the device here only, as for minimind's loss.item()
+            metrics = judge.settle()  # the steps since the last wait, judged in order: Rollback, AnomalyStop raise
+        if log_now:
+            tracker.log(metrics, at.global_step, total_steps(at, n, global_batch, args.epochs))
+        if validate:
+            tracker.preference_validation(at.global_step, *preference_validation(  # dpo: the DPO validation_loss(
+                unwrap(model), ref_model, val_ds, args.batch_size, dist_info.device, autocast, args.beta))  # dpo
+        if save_now:
+            started = time.perf_counter()
+            kept = lm_checkpoint(lm_config, args.save_weight, model, optimizer, at.epoch,
+                                 step_in_epoch(n, at.samples_consumed, global_batch), save_dir=args.save_dir,
+                                 checkpoint_dir=args.checkpoint_dir, position=at, scaler=scaler, run=run,
+                                 anomaly_state=judge.guard.state_dict(), trackers=tracker.runs, saver=saver)
+            tracker.saved(at.global_step, kept, time.perf_counter() - started)  # the time it blocked training
+        if last:
+            break
+    return at
+
+
+def main() -> None:
+    # ---- 1. Flags ------------------------------------------------------------------------------
+    args = parse_args()
+
+    # ---- 2. Distributed init: one process, or one per GPU (or CPU rank) under torchrun -----------
+    dist_info = init_distributed(args.device)
+    rank, world_size, device = dist_info.rank, dist_info.world_size, dist_info.device
+    log = rank0_logger(dist_info.is_main)
+    setup_seed(args.seed)  # identical initial weights on every rank
+
+    # ---- 3. Data and batch geometry: the files are indexed and checked before any training ------
+    tokenizer = load_tokenizer(args.tokenizer_path)
+    train_ds = DPODataset(args.data_path, tokenizer, args.max_seq_len)  # dpo
+    val_ds = DPODataset(args.val_data, tokenizer, args.max_seq_len) if args.val_data else None  # dpo
+    n = len(train_ds)
+    accumulation, global_batch = resolve_accumulation(args.batch_size, world_size, args.accumulation_steps,
+                                                      args.global_batch_size)
+    # The reference: --from_weight's model, frozen; the checkpoint names its file by hash (a resume compares it)  # dpo
+    ref_model, base_identity = frozen_model(args, model_config(args, tokenizer.get_vocab_size()), log)  # dpo
+    run = RunSpec({**resume_settings(args, accumulation, world_size), **base_identity},  # dpo
+                  data_fingerprint(train_ds.source), n, global_batch, given_sizes(args), args.resume_path)  # dpo
+
+    # ---- 4. Model and optimizer: weights from the checkpoint to resume, from --from_weight, or random -
+    lm_config = model_config(args, tokenizer.get_vocab_size())
+    claim_run_directories(args, run_name(args.save_weight, lm_config), log)  # one trainer per directory
+    resume = bool(args.from_resume or args.resume_path)
+    state = lm_checkpoint(lm_config, args.save_weight, checkpoint_dir=args.checkpoint_dir, run=run) if resume else None
+    model, lm_config = init_model(args, lm_config, log, resume_state=state)  # weights: section 5, --from_weight
+    use_cuda, dtype = device.type == "cuda", getattr(torch, args.dtype)
+    # FP32 master weights, bf16 (or fp16 + GradScaler) autocast on CUDA; fsdp: a slice per rank (sharding.py)
+    model = shard_model(model, device, dtype, args) if args.parallel == "fsdp" else model.to(device)
+    ref_model = shard_model(ref_model, device, dtype, args) if args.parallel == "fsdp" else ref_model.to(device)  # dpo
+    # fused: one kernel for all parameters, and it can skip a step on the device (trainer_utils.optimizer_step)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.01, fused=True)
+    autocast = torch.autocast("cuda", dtype=dtype) if use_cuda and dtype != torch.float32 else nullcontext()
+    scaler = torch.amp.GradScaler("cuda", enabled=use_cuda and dtype == torch.float16)
+
+    # ---- 5. Resume: weights, optimizer, RNG and the data position (lm_checkpoint checked the rest) -
+    setup_seed(args.seed + rank)  # ranks differ in dropout noise; a resume on the same world size restores it
+    at = Position()  # epoch 0, no sample consumed, no step taken
+    if state is not None:
+        restore_training_state(state, model, optimizer, scaler, rank, world_size)
+        at = Position(state["epoch"], state["samples_consumed"], state["global_step"])
+    log(f"{model.num_parameters() / 1e6:.2f}M params; {n} samples; global batch {global_batch} = {args.batch_size} x "
+        f"{world_size} ranks x {accumulation} accumulation; to step {total_steps(at, n, global_batch, args.epochs)}")
+
+    # ---- 6. Outputs, the guard, then compile and DDP (after loading: state_dict keys carry no prefixes) --
+    tracker = Tracker(args, args.run_name or run_name(args.save_weight, lm_config), dist_info.is_main, device,
+                      start_step=at.global_step, total_steps=total_steps(at, n, global_batch, args.epochs),
+                      tracker_ids=state["tracker_ids"] if state else {},
+                      model_flops_per_token=flops_per_token(unwrap(model).num_parameters(), lm_config.num_hidden_layers,
+                                                            lm_config.hidden_size, args.max_seq_len))
+    saver = BackgroundSaver(bool(args.async_save), use_cuda, args.keep_last, bool(args.gather_weights),
+                            args.tokenizer_path if args.save_hf else None, optimizer)  # rank 0 writes (fsdp: all)
+    # The guard's verdicts, reached where the host waits for the device anyway (hardening/step_judge.py)
+    judge = StepJudge(args, tracker, saver, not scaler.is_enabled(), dist_info, at.global_step,
+                      state["anomaly"] if state else {}, log)  # (a resume keeps the guard's memory)
+    install_debug_injection(model, args.debug_inject, current_step=judge.step_in_progress)  # --debug_inject only
+    if args.use_compile and args.parallel == "ddp":  # (FSDP compiled each layer as it sharded it)
+        model = torch.compile(model, backend=args.compile_backend)
+        ref_model = torch.compile(ref_model, backend=args.compile_backend)  # dpo
+    if world_size > 1 and args.parallel == "ddp":
+        model = DistributedDataParallel(model, device_ids=[dist_info.local_rank] if use_cuda else None)
+
+    # ---- 7. Train, epoch by epoch, from the resumed position, to the end, a stop or --max_steps -----
+    with tracker, saver:  # on an error: the save in flight completes and the status file says "failed"
+        while at.epoch < args.epochs and not judge.stopped:
+            try:
+                at = train_epoch(args, at, model, optimizer, scaler, autocast, train_ds, val_ds, run, lm_config,
+                                 dist_info, judge, tracker, saver, ref_model)  # dpo
+            except Rollback as rollback:  # back to the newest checkpoint; the bad window is stepped over
+                optimizer.zero_grad(set_to_none=True)
+                finish_saves(saver)  # the newest checkpoint must be complete before we look for it
+                state = lm_checkpoint(lm_config, args.save_weight, checkpoint_dir=args.checkpoint_dir, run=run)
+                at = Position(*judge.rolled_back(rollback, state))  # no checkpoint yet: AnomalyStop
+                restore_training_state(state, model, optimizer, scaler, rank, world_size)
+                tracker.rollback(at.global_step, total_steps(at, n, global_batch, args.epochs))
+        # ---- 8. The end: the last save on disk, then the run's status ------------------------------
+        finish_saves(saver)
+        tracker.finish("stopped" if at.epoch < args.epochs else "completed")
+
+    # ---- 9. Cleanup ------------------------------------------------------------------------------
+    log(end_of_run(at, args, judge.stop.signal, world_size))
+    del model, optimizer  # the DDP wrapper goes while the process group still exists
+    cleanup_distributed()
+
+
+if __name__ == "__main__":
+    run_script(main)
