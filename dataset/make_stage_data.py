@@ -5,12 +5,15 @@
 
 It builds on make_demo_data.py's closed world (scripts/run_demo.sh runs that first) and writes:
 
-* lora_demo.jsonl ({"conversations"}, SFT format, as minimind's lora_*.jsonl files): a domain the SFT
-  model never saw, French words for the numbers 0-12 and for eight colours, asked in English and Chinese
-  ("What is seven in French?" -> "sept"; "七用法语怎么说？" -> "sept"). A tenth of the conversations
-  also ask an old question, so that the adapter does not have to unlearn the chat it rests on.
+* lora_demo.jsonl ({"conversations"}, SFT format, as minimind's lora_*.jsonl files): a task the SFT model
+  was never taught, translating the world's words (countries, capitals, colours, animals) between English
+  and Chinese ("What is Paris in Chinese?" -> "巴黎"; "狗用英语怎么说？" -> "dog"). The words are ones the
+  model already writes: a domain of new words (French, say) needs new rows of the output layer, which LoRA
+  leaves frozen, and a rank-8 adapter of this model did not learn one (loss 1.6 where full fine-tuning
+  reached 0.007 on the same batch). A tenth of the conversations also ask an old question, so that the
+  adapter does not have to unlearn the chat it rests on.
 * lora_demo_eval.jsonl (SFT format, last message the answer, "task"/"lang"/"held_out" as in
-  sft_demo_eval.jsonl): every French word in the phrasing the training set never uses ("phrasing").
+  sft_demo_eval.jsonl): every word both ways, in the phrasing the training set never uses ("phrasing").
 * dpo_demo.jsonl ({"chosen": [messages], "rejected": [messages]}, minimind's dpo.jsonl format): a
   question SFT may ask, its right answer as "chosen" and a wrong answer of the same kind as "rejected"
   (a capital for a capital, a digit for a digit).
@@ -28,39 +31,36 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: the repository, not this folder, goes first on the import path
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from dataset.make_demo_data import (EN_NUMBERS, SYSTEM_PROMPTS, TASKS, ZH_NUMBERS, eval_items, same_kind_answers,
+from dataset.make_demo_data import (COLOURS, COUNTRIES, SOUNDS, SYSTEM_PROMPTS, TASKS, eval_items, same_kind_answers,
                                     sample_question, split_held_out, write_jsonl)
 
-# 1. LoRA's new domain: French words, never in the pretraining or SFT data ----------------------
+# 1. LoRA's new domain: translating words, which pretraining and SFT never asked -----------------
 
-FR_NUMBERS = "zéro un deux trois quatre cinq six sept huit neuf dix onze douze".split()
-# (English, 中文, French): the colours of make_demo_data.py's world
-FR_COLOURS = [("red", "红色", "rouge"), ("blue", "蓝色", "bleu"), ("green", "绿色", "vert"),
-              ("yellow", "黄色", "jaune"), ("white", "白色", "blanc"), ("black", "黑色", "noir"),
-              ("orange", "橙色", "orange"), ("purple", "紫色", "violet")]
-
-
-def french_words() -> list[tuple[str, str, str]]:
-    """(English, 中文, French) for each word of the domain: 13 numbers and 8 colours."""
-    return [(EN_NUMBERS[n], ZH_NUMBERS[n], FR_NUMBERS[n]) for n in range(13)] + FR_COLOURS
+def dictionary_words() -> list[tuple[str, str]]:
+    """(English, 中文) for each word of the domain: the world's countries, capitals, colours and animals."""
+    animals = [(en.split(" ", 1)[1], zh) for en, zh, _, _ in SOUNDS]  # "a dog" -> "dog"
+    colours = sorted({(en, zh) for _, _, en, zh in COLOURS})
+    return ([(en, zh) for en, zh, _, _ in COUNTRIES] + [(cap, cap_zh) for _, _, cap, cap_zh in COUNTRIES]
+            + colours + animals)
 
 
-def ask_french(word: tuple[str, str, str], lang: str) -> tuple[list[str], str]:
-    """The phrasings of "what is WORD in French?"; the last one is kept for the eval."""
-    en, zh, fr = word
+def ask_translation(word: tuple[str, str], lang: str) -> tuple[list[str], str]:
+    """Asked in English: the Chinese word; asked in Chinese: the English one. The last phrasing is the eval's."""
+    en, zh = word
     if lang == "en":
-        return [f"What is {en} in French?", f"How do you say {en} in French?", f"Say {en} in French."], fr
-    return [f"{zh}用法语怎么说？", f"{zh}的法语是什么？", f"用法语说{zh}。"], fr
+        return [f"What is {en} in Chinese?", f"How do you say {en} in Chinese?",
+                f"What is the Chinese word for {en}?"], zh
+    return [f"{zh}用英语怎么说？", f"{zh}的英语是什么？", f"{zh}在英语里怎么说？"], en
 
 
 def lora_conversation(rng: random.Random, held_out: dict[str, set]) -> dict:
-    """One or two French questions in one language, now and then after a system prompt or an old question."""
+    """One or two words to translate, asked in one language, now and then after a system prompt or an old question."""
     lang = rng.choice(["en", "zh"])
     messages = []
     if rng.random() < 0.2:
         messages.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS[lang])})
     for _ in range(rng.choice([1, 1, 2])):
-        questions, answer = ask_french(rng.choice(french_words()), lang)
+        questions, answer = ask_translation(rng.choice(dictionary_words()), lang)
         messages += [{"role": "user", "content": rng.choice(questions[:-1])},
                      {"role": "assistant", "content": answer}]
     if rng.random() < 0.1:  # an old question, so the chat the adapter rests on is not unlearned
@@ -72,12 +72,12 @@ def lora_conversation(rng: random.Random, held_out: dict[str, set]) -> dict:
 def lora_eval_items() -> list[dict]:
     """Every word of the domain in both languages, in the phrasing training never uses."""
     items = []
-    for word in french_words():
+    for word in dictionary_words():
         for lang in ("en", "zh"):
-            questions, answer = ask_french(word, lang)
+            questions, answer = ask_translation(word, lang)
             items.append({"conversations": [{"role": "user", "content": questions[-1]},
                                             {"role": "assistant", "content": answer}],
-                          "task": "french", "lang": lang, "held_out": "phrasing"})
+                          "task": "translation", "lang": lang, "held_out": "phrasing"})
     return items
 
 

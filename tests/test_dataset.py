@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 from dataset.chat_format import render_chat_text
 from dataset.lm_dataset import IGNORE_INDEX, JsonlFile, PretrainDataset, SFTDataset
 from dataset.make_demo_data import TASKS
+from dataset.make_stage_data import ask_translation, dictionary_words
 from model.tokenizer import BOS_ID, EOS_ID, PAD_ID, load_tokenizer
 
 from conftest import REPO
@@ -245,15 +246,17 @@ def test_committed_stage_data_is_what_its_generator_writes(tmp_path):
         assert (tmp_path / name).read_bytes() == (DATA_DIR / name).read_bytes(), name
 
 
-def test_the_lora_domain_is_new_to_pretraining_and_sft_and_its_eval_phrasing_new_to_lora():
-    french = {r["conversations"][-1]["content"] for r in read_records("lora_demo_eval.jsonl")} - {"orange", "six"}
-    assert len(french) == 19  # 13 numbers and 8 colours, less the two words English and French share
-    earlier = (DATA_DIR / "pretrain_demo.jsonl").read_text(encoding="utf-8") + \
-        (DATA_DIR / "sft_demo.jsonl").read_text(encoding="utf-8")
-    assert not [word for word in french if f" {word}" in earlier or f'"{word}"' in earlier]
+def test_the_lora_domain_is_a_task_sft_never_taught_and_its_eval_phrasing_is_new_to_lora():
+    sft_questions = {m["content"] for r in read_records("sft_demo.jsonl") for m in r["conversations"]
+                     if m["role"] == "user"}
     asked = {m["content"] for r in read_records("lora_demo.jsonl") for m in r["conversations"] if m["role"] == "user"}
+    phrasings = {q for word in dictionary_words() for lang in ("en", "zh") for q in ask_translation(word, lang)[0]}
+    translation = asked & phrasings
+    assert len(translation) > 200 and not translation & sft_questions  # of 52 words x 2 ways x 2 phrasings
+    pretraining = (DATA_DIR / "pretrain_demo.jsonl").read_text(encoding="utf-8")
+    assert not [q for q in phrasings if q in pretraining]
     eval_questions = [r["conversations"][-2]["content"] for r in read_records("lora_demo_eval.jsonl")]
-    assert not set(eval_questions) & asked and len(eval_questions) == 42
+    assert not set(eval_questions) & asked and len(eval_questions) == 104  # 52 words, both ways
 
 
 def test_dpo_pairs_share_their_prompt_and_prefer_the_right_answer_to_a_wrong_one_of_the_same_kind():
