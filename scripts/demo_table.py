@@ -1,13 +1,18 @@
-"""The demo's before-and-after table: random weights, after pretraining, after SFT, on held-out data.
+"""The demo's before-and-after table: random weights, after pretraining, after SFT, SFT + LoRA, after DPO.
 
-    python scripts/demo_table.py --hidden_size 128    # after scripts/run_demo.sh has trained both stages
+    python scripts/demo_table.py --hidden_size 128    # after scripts/run_demo.sh has trained the four stages
 
-Each row is one model, scored three ways (the numbers eval_model.py prints for each alone):
+Each row is one model, scored five ways (the numbers eval_model.py prints for each alone):
   val bits per byte  on dataset/val_demo.jsonl, text pretraining never saw (as --bpb_data with --max_seq_len
                      128, the demo's pretraining one, as its logged val/bpb; lower is better)
   multiple choice    on dataset/mc_demo.jsonl, the eval's questions with 4 choices each, by log-likelihood
                      (as --mc_data: acc, and acc centred on chance, 0 = guessing, 1 = all right)
   exact match        on dataset/sft_demo_eval.jsonl, greedy chat answers (as --eval)
+  LoRA's domain      exact match on dataset/lora_demo_eval.jsonl: translating words, a task only LoRA's data
+                     teaches, asked in a phrasing it never used (as --eval with --lora demo)
+  prefers right      on dataset/dpo_demo_eval.jsonl: the share of held-out pairs (the eval's questions, the
+                     right answer against a wrong one of the same kind) whose right answer the model finds
+                     likelier (as --pairs_data)
 The random weights are the ones pretraining starts from: drawn with the trainer's seed (--seed, 42 as in
 trainer/train_pretrain.py) at the sizes of out/pretrain_*.pth. Only the SFT model was taught to answer in
 the chat format, so exact match before SFT is expected near 0; the multiple choice reads plain
@@ -28,6 +33,8 @@ if __package__ in (None, ""):  # run as a file: the repository, not this folder,
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from eval_choices import choice_loglikelihoods, read_choice_items, score_choices
+from dataset.dpo_dataset import DPODataset
+from eval_choices import pair_logprobs, score_pairs
 from eval_model import add_model_flags, evaluate_exact_match, file_loss, load_model, read_jsonl
 from model.model import CausalLM
 from model.tokenizer import load_tokenizer
@@ -43,27 +50,36 @@ def initial_model(like: CausalLM, seed: int) -> CausalLM:
 
 
 def stage_scores(model: CausalLM, tokenizer: Tokenizer, args: argparse.Namespace) -> dict:
-    """The three scores of one model: bits per byte, multiple-choice acc (and centred), exact match."""
+    """The five scores of one model: bits per byte, multiple-choice acc (and centred), exact match on the
+    SFT eval and on LoRA's, and the share of held-out pairs whose right answer it finds likelier."""
     bpb = file_loss(model, tokenizer, args.val_data, args.max_seq_len).bpb
     items = read_choice_items(args.mc_data)
     lls = choice_loglikelihoods(model, lambda text: tokenizer.encode(text).ids, items,
                                 model.config.max_position_embeddings, progress=False)
     choices = score_choices(items, lls)
     correct, total = evaluate_exact_match(model, tokenizer, read_jsonl(args.eval_data), args.max_new_tokens)
+    domain_correct, domain_total = evaluate_exact_match(model, tokenizer, read_jsonl(args.lora_eval_data),
+                                                        args.max_new_tokens)
+    pair_logps = pair_logprobs(model, DPODataset(args.pairs_data, tokenizer, 128))
+    pairs = score_pairs(pair_logps, None)
     return {"bpb": bpb, "mc_acc": choices["acc"], "mc_centred": choices["acc_centred"], "mc_items": len(items),
-            "chance": choices["chance"], "correct": correct, "total": total}
+            "chance": choices["chance"], "correct": correct, "total": total, "domain_correct": domain_correct,
+            "domain_total": domain_total, "prefers": pairs["accuracy"], "pairs": pairs["pairs"], "pair_logps": pair_logps}
 
 
 def format_table(rows: list[tuple[str, dict]]) -> str:
     """A markdown table, one line per (name, stage_scores) row."""
     first = rows[0][1]
-    lines = ["| weights | val bits per byte | multiple choice acc | centred on chance | exact match |",
-             "|---|---|---|---|---|"]
+    lines = ["| weights | val bits per byte | multiple choice acc | centred on chance | exact match | LoRA's domain "
+             "| prefers right |", "|---|---|---|---|---|---|---|"]
     for name, s in rows:
         lines.append(f"| {name} | {s['bpb']:.3f} | {100 * s['mc_acc']:.1f} % | {s['mc_centred']:+.3f} | "
-                     f"{s['correct']}/{s['total']} = {100 * s['correct'] / s['total']:.1f} % |")
+                     f"{s['correct']}/{s['total']} = {100 * s['correct'] / s['total']:.1f} % | "
+                     f"{s['domain_correct']}/{s['domain_total']} = {100 * s['domain_correct'] / s['domain_total']:.1f} % | "
+                     f"{100 * s['prefers']:.1f} % |")
     lines.append(f"\n(multiple choice: {first['mc_items']} items, chance {100 * first['chance']:.1f} %; "
-                 f"exact match: {first['total']} held-out chat questions)")
+                 f"exact match: {first['total']} held-out chat questions; LoRA's domain: {first['domain_total']} "
+                 f"translations in an unseen phrasing; prefers right: {first['pairs']} held-out pairs)")
     return "\n".join(lines)
 
 
@@ -74,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--val_data", default=str(data / "val_demo.jsonl"))
     p.add_argument("--mc_data", default=str(data / "mc_demo.jsonl"))
     p.add_argument("--eval_data", default=str(data / "sft_demo_eval.jsonl"))
+    p.add_argument("--lora_eval_data", default=str(data / "lora_demo_eval.jsonl"))
+    p.add_argument("--pairs_data", default=str(data / "dpo_demo_eval.jsonl"))
+    p.add_argument("--lora", default="demo", help="the adapter of the 'SFT + LoRA' row: out/lora_{NAME}_{hidden}.pth")
     p.add_argument("--max_seq_len", type=int, default=128, help="for the bits per byte: the demo's pretraining one")
     # 16, not eval_model.py's 64: the demo's longest right answer, with its empty think block and end tag, is 8
     # tokens, and random or pretrained weights rarely stop early: 64 tokens a question cost them most of a minute.
@@ -85,18 +104,25 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731 (stdout carries the table only)
     try:
-        pretrained, sft = [load_model(argparse.Namespace(**{**vars(args), "weight": weight}), tokenizer, device, log)
-                           for weight in ("pretrain", "full_sft")]
+        pretrained, sft, dpo = [load_model(argparse.Namespace(**{**vars(args), "weight": weight, "lora": None}),
+                                           tokenizer, device, log) for weight in ("pretrain", "full_sft", "dpo")]
+        lora = load_model(argparse.Namespace(**{**vars(args), "weight": "full_sft"}), tokenizer, device, log)
     except (FileNotFoundError, RuntimeError) as error:
         print(f"error: {error}; run the demo's training stages first (bash scripts/run_demo.sh)", file=sys.stderr)
         return 2
     rows = []
     for name, model in (("random weights", initial_model(pretrained, args.seed)), ("after pretraining", pretrained),
-                        ("after SFT", sft)):
+                        ("after SFT", sft), ("SFT + LoRA", lora), ("after DPO (from SFT)", dpo)):
         start = time.perf_counter()
         rows.append((name, stage_scores(model, tokenizer, args)))
         log(f"{name}: scored in {time.perf_counter() - start:.1f} s")
     print(format_table(rows), flush=True)
+    # DPO moves each answer's log-probability away from the model it started from: its implicit reward. The share
+    # of held-out pairs whose reward is higher for the right answer says whether it moved the right way (a model
+    # that did not move: 0 %, every reward being 0; one that moved at random: about 50 %).
+    moved = score_pairs(rows[4][1]["pair_logps"], rows[2][1]["pair_logps"])["reward_accuracy"]
+    print(f"(after DPO: its implicit reward against the SFT model prefers the right answer on {100 * moved:.1f} % "
+          f"of the held-out pairs)", flush=True)
     return 0
 
 

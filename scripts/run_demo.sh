@@ -1,13 +1,10 @@
 #!/usr/bin/env bash
 # The whole pipeline on a laptop-class CPU in a few minutes:
-#   demo data -> pretrain -> SFT -> before-and-after table -> one chat answer -> loss curves.
+#   demo data -> pretrain -> SFT -> LoRA -> DPO -> before-and-after table -> chat answers -> loss curves.
 # Sizes are small on purpose (a ~1M-parameter model, 0.59M with --quick); the flags are the same on a GPU.
 #
-#   bash scripts/run_demo.sh                  # 4 layers, 3 epochs of each training: 9 minutes on a quiet 2-core CPU
-#   bash scripts/run_demo.sh --quick          # the same six stages at about a third of the cost: 2 layers, 1 epoch
-#                                             # of pretraining and 2 of SFT: about 3.5 minutes there
-#                                             # (both times measured before stage 4 printed its table; --quick with
-#                                             # it: 9.6 minutes while other work shared the two cores)
+#   bash scripts/run_demo.sh                  # 4 layers, 2 epochs of pretraining and 2 of SFT: TIME_FULL
+#   bash scripts/run_demo.sh --quick          # the same eight stages on 2 layers, 1 epoch of pretraining: TIME_QUICK
 #   bash scripts/run_demo.sh --check_machine  # only the check below: is the machine busy or small?
 #
 # It first looks at the machine: on fewer than 2 cores, or with a 1-minute load average of half the cores or
@@ -16,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 usage="usage: bash scripts/run_demo.sh [--quick] [--check_machine]"
-layers=4 pretrain_epochs=3 sft_epochs=3 check_only=0
+layers=4 pretrain_epochs=2 sft_epochs=2 check_only=0
 for arg in "$@"; do
     case "$arg" in
         --quick) layers=2 pretrain_epochs=1 sft_epochs=2 ;;  # SFT makes the answers: it keeps a second epoch
@@ -50,6 +47,7 @@ SIZE=(--hidden_size 128 --num_hidden_layers "$layers" --num_attention_heads 4 --
 
 echo "== 1. demo data (deterministic: rewrites the committed files byte for byte)"
 python dataset/make_demo_data.py
+python dataset/make_stage_data.py
 
 echo "== 2. pretrain"
 python trainer/train_pretrain.py "${SIZE[@]}" --max_seq_len 128 --batch_size 32 --learning_rate 2e-3 \
@@ -61,13 +59,25 @@ python trainer/train_full_sft.py "${SIZE[@]}" --max_seq_len 192 --batch_size 32 
     --epochs "$sft_epochs" --log_interval 50 --save_interval 200
 stop_if_stopped full_sft_128
 
-echo "== 4. before and after: random weights, pretrained, SFT on held-out data (scripts/demo_table.py)"
+# The stages after SFT train on short conversations: 64 tokens hold each of them.
+echo "== 4. LoRA: a task SFT never taught (translating words), out/full_sft_128.pth frozen, an adapter trained"
+python trainer/train_lora.py "${SIZE[@]}" --max_seq_len 64 --batch_size 32 --learning_rate 3e-3 \
+    --lora_rank 16 --lora_alpha 32 --epochs 8 --log_interval 50 --save_interval 200
+stop_if_stopped lora_demo_128
+
+echo "== 5. DPO: the right answer preferred to a wrong one, from out/full_sft_128.pth against a frozen copy"
+python trainer/train_dpo.py "${SIZE[@]}" --max_seq_len 64 --batch_size 32 --learning_rate 3e-4 --beta 0.1 \
+    --epochs 2 --log_interval 10 --save_interval 200
+stop_if_stopped dpo_128
+
+echo "== 6. before and after: random weights, pretrained, SFT, SFT + LoRA, DPO on held-out data (scripts/demo_table.py)"
 python scripts/demo_table.py "${SIZE[@]}"
 
-echo "== 5. chat"
+echo "== 7. chat"
 python eval_model.py --weight full_sft "${SIZE[@]}" --prompt "What is the capital of France?"
 python eval_model.py --weight full_sft "${SIZE[@]}" --prompt "3加4等于几？"
+python eval_model.py --weight full_sft --lora demo "${SIZE[@]}" --prompt "What is Paris in Chinese?"
 
-echo "== 6. loss curves"
+echo "== 8. loss curves"
 python scripts/plot_metrics.py out/pretrain_128_metrics.jsonl -o out/pretrain_128_curves.png
 echo "== done in $((SECONDS / 60)) min $((SECONDS % 60)) s; the curves: out/pretrain_128_curves.png"

@@ -15,7 +15,9 @@ import torch
 
 import eval_model
 from conftest import REPO, TINY_MODEL, assert_exit_code, child_env, launch_command, run_args, slice_jsonl
-from eval_choices import choice_loglikelihoods, read_choice_items, score_choices
+from dataset.dpo_dataset import DPODataset
+from eval_choices import choice_loglikelihoods, pair_logprobs, read_choice_items, score_choices, score_pairs
+from lora_files import tiny_config, write_adapter
 from model.tokenizer import load_tokenizer
 from scripts import demo_table
 
@@ -31,7 +33,9 @@ def run(tmp_path_factory):
     result = subprocess.run(launch_command("train_pretrain.py", None, [*TINY_MODEL, *args]), cwd=root,
                             env=child_env(), capture_output=True, text=True, timeout=300)
     assert_exit_code(result)
-    shutil.copy(root / "out" / "pretrain_32.pth", root / "out" / "full_sft_32.pth")
+    for stage in ("full_sft", "dpo"):  # the same file under the later stages' names
+        shutil.copy(root / "out" / "pretrain_32.pth", root / "out" / f"{stage}_32.pth")
+    write_adapter(root / "out", tiny_config(), base=root / "out" / "full_sft_32.pth")  # lora_demo_32.pth
     return root
 
 
@@ -56,13 +60,18 @@ def test_the_table_has_one_row_per_model_with_its_scores_on_the_given_files(run,
     val = slice_jsonl(REPO / "dataset" / "val_demo.jsonl", tmp_path / "val.jsonl", 3)
     mc = slice_jsonl(REPO / "dataset" / "mc_demo.jsonl", tmp_path / "mc.jsonl", 6)
     em = slice_jsonl(REPO / "dataset" / "sft_demo_eval.jsonl", tmp_path / "eval.jsonl", 2)
+    domain = slice_jsonl(REPO / "dataset" / "lora_demo_eval.jsonl", tmp_path / "domain.jsonl", 2)
+    pairs = slice_jsonl(REPO / "dataset" / "dpo_demo_eval.jsonl", tmp_path / "pairs.jsonl", 5)
     argv = [*SIZE_FLAGS, "--save_dir", str(run / "out"), "--device", "cpu", "--val_data", str(val),
-            "--mc_data", str(mc), "--eval_data", str(em), "--max_new_tokens", "4"]
+            "--mc_data", str(mc), "--eval_data", str(em), "--lora_eval_data", str(domain), "--pairs_data", str(pairs),
+            "--max_new_tokens", "4"]
     assert demo_table.main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
     rows = [line for line in lines if line.startswith("| ") and not line.startswith("| weights")]
-    assert [row.split(" | ")[0] for row in rows] == ["| random weights", "| after pretraining", "| after SFT"]
-    assert rows[1].split(" | ")[1:] == rows[2].split(" | ")[1:]  # the same file under both names
+    assert [row.split(" | ")[0] for row in rows] == ["| random weights", "| after pretraining", "| after SFT",
+                                                     "| SFT + LoRA", "| after DPO (from SFT)"]
+    assert rows[1].split(" | ")[1:] == rows[2].split(" | ")[1:] == rows[4].split(" | ")[1:]  # one file, three names
+    assert rows[3].split(" | ")[1] != rows[2].split(" | ")[1]  # the adapter (random B) moves the bits per byte
 
     model, tokenizer = load(run, "pretrain"), load_tokenizer(REPO / "model" / "tokenizer.json")
     bpb = eval_model.file_loss(model, tokenizer, val, 128).bpb
@@ -70,9 +79,16 @@ def test_the_table_has_one_row_per_model_with_its_scores_on_the_given_files(run,
     lls = choice_loglikelihoods(model, lambda text: tokenizer.encode(text).ids, items, 10_000, progress=False)
     scores = score_choices(items, lls)
     correct, _ = eval_model.evaluate_exact_match(model, tokenizer, eval_model.read_jsonl(em), max_new_tokens=4)
+    domain_correct, _ = eval_model.evaluate_exact_match(model, tokenizer, eval_model.read_jsonl(domain),
+                                                        max_new_tokens=4)
+    prefers = score_pairs(pair_logprobs(model, DPODataset(pairs, tokenizer, 128)), None)["accuracy"]
     assert rows[1] == (f"| after pretraining | {bpb:.3f} | {100 * scores['acc']:.1f} % | "
-                       f"{scores['acc_centred']:+.3f} | {correct}/2 = {50.0 * correct:.1f} % |")
-    assert lines[-1] == "(multiple choice: 6 items, chance 25.0 %; exact match: 2 held-out chat questions)"
+                       f"{scores['acc_centred']:+.3f} | {correct}/2 = {50.0 * correct:.1f} % | "
+                       f"{domain_correct}/2 = {50.0 * domain_correct:.1f} % | {100 * prefers:.1f} % |")
+    assert lines[-1] == "(after DPO: its implicit reward against the SFT model prefers the right answer on 0.0 % of " \
+        "the held-out pairs)"  # the same weights as SFT's: every reward is 0, and a tie is no preference
+    assert lines[-2] == ("(multiple choice: 6 items, chance 25.0 %; exact match: 2 held-out chat questions; "
+                         "LoRA's domain: 2 translations in an unseen phrasing; prefers right: 5 held-out pairs)")
 
 
 def test_a_missing_stage_is_named_with_what_to_run(tmp_path, capsys):
