@@ -26,6 +26,11 @@ SPECIAL_TOKENS = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 PAD_ID, BOS_ID, EOS_ID = (SPECIAL_TOKENS[t] for t in (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN))
 DEFAULT_TOKENIZER = Path(__file__).resolve().with_name("tokenizer.json")
+# Qwen2's pre-tokenizer regex (its tokenizer.json), which trainer/train_tokenizer.py splits text with.
+# llama.cpp runs the same regex for a GGUF whose tokenizer.ggml.pre is "qwen2" (src/llama-vocab.cpp,
+# with the case-insensitive group spelled out), so scripts/export_gguf.py can promise the same ids.
+QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 def check_special_tokens(tokenizer: Tokenizer, path: str | os.PathLike) -> None:

@@ -1,6 +1,7 @@
 """The committed tokenizer and the script that trains it."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -8,7 +9,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from model.tokenizer import SPECIAL_TOKENS, load_tokenizer
+from dataset.chat_format import render_chat_text
+from model.tokenizer import QWEN2_PATTERN, SPECIAL_TOKENS, load_tokenizer
 
 from conftest import REPO
 TOKENIZER_PATH = REPO / "model" / "tokenizer.json"
@@ -79,3 +81,40 @@ def test_train_tokenizer_script_writes_the_same_loadable_tokenizer_every_time(tm
     assert 259 <= tokenizer.get_vocab_size() <= 300  # 256 bytes + 3 special tokens + merges
     assert tokenizer.decode(tokenizer.encode("the cat 猫").ids) == "the cat 猫"
     assert (tmp_path / "first.json").read_bytes() == (tmp_path / "second.json").read_bytes()
+
+
+def demo_texts() -> list[str]:
+    """Every text of the committed demo data, as the trainers feed it to the tokenizer."""
+    texts = []
+    for path in sorted((REPO / "dataset").glob("*_demo*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            record = json.loads(line)
+            if "text" in record:
+                texts.append(record["text"])
+            for key in ("conversations", "chosen", "rejected"):
+                if key in record:
+                    texts.append(render_chat_text(record[key]))
+    return texts
+
+
+def test_the_committed_tokenizer_splits_with_qwen2s_regex_alone_and_keeps_each_chinese_character_one_token():
+    # The file's pre-tokenizer must be exactly Qwen2's (the one llama.cpp runs for tokenizer.ggml.pre
+    # "qwen2"); the Chinese-character split used while learning must not be saved with it.
+    config = json.loads(TOKENIZER_PATH.read_text(encoding="utf-8"))
+    assert config["pre_tokenizer"] == {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": QWEN2_PATTERN}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
+    # ...and yet, since BPE learned no merge across two Chinese characters, every Chinese character of
+    # the demo data is still a token of its own, and no token holds a Chinese character and anything else.
+    tokenizer = load_tokenizer(TOKENIZER_PATH)
+    texts = demo_texts()
+    assert len(texts) > 10_000
+    han = re.compile("[\u3400-\u9fff]")  # the CJK ideograph blocks, which hold every Chinese character here
+    for text in texts:
+        pieces = [tokenizer.decode([i]) for i in tokenizer.encode(text).ids]
+        chinese = [piece for piece in pieces if han.search(piece)]
+        assert all(len(piece) == 1 for piece in chinese), (text, chinese)
+        assert len(chinese) == len(han.findall(text)), text
+    # Qwen2's rules: one token per digit, "\n\n" kept whole before Chinese and after a chat tag.
+    assert tokenizer.encode("2024").tokens == ["2", "0", "2", "4"]
+    assert tokenizer.encode("<think>\n\n</think>\n\n巴黎").tokens == ["<think>", "ĊĊ", "</think>", "ĊĊ", "å·´", "é»İ"]

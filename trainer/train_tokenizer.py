@@ -12,10 +12,15 @@ The vocabulary holds at most --vocab_size tokens: BPE stops early when the data 
 pair left to merge (the demo corpus is a small closed world), and the model's
 vocab_size only has to be at least the tokenizer's.
 
+Text is split before BPE with Qwen2's pre-tokenizer regex (words, single digits, punctuation,
+whitespace), which llama.cpp implements exactly under the name "qwen2": a GGUF of the model
+(scripts/export_gguf.py) then tokenizes every text with the same ids as training.
+
 Chinese: by default (--split_chinese_chars 1) every Chinese character is a token of its
 own, which suits the tiny demo world. For a real Chinese corpus pass --split_chinese_chars 0:
 BPE then merges frequent character sequences (words, common phrases) into single tokens,
-as minimind's tokenizer does, so the same text takes fewer tokens.
+as minimind's tokenizer does, so the same text takes fewer tokens. Either way the saved file
+splits text with Qwen2's regex alone (see train_tokenizer below).
 
 The special tokens get the first ids, in this order: <|endoftext|>=0 (padding),
 <|im_start|>=1 (begin of text / of a chat message), <|im_end|>=2 (end of both), then the chat
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -40,7 +46,7 @@ if __package__ in (None, ""):  # run as a file: the repository, not this folder,
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from dataset.chat_format import TAGS, render_chat_text
-from model.tokenizer import SPECIAL_TOKENS as CHATML_IDS
+from model.tokenizer import QWEN2_PATTERN, SPECIAL_TOKENS as CHATML_IDS
 from trainer.trainer_utils import REPO_ROOT
 
 CHATML_TOKENS = sorted(CHATML_IDS, key=CHATML_IDS.get)
@@ -48,6 +54,7 @@ CHATML_TOKENS = sorted(CHATML_IDS, key=CHATML_IDS.get)
 # The list order defines the ids: the three ChatML tokens first (model/tokenizer.py checks them when
 # loading), then the chat format's tags, so "<think>" or "<tool_call>" costs one token, as in minimind.
 SPECIAL_TOKENS = [*CHATML_TOKENS, *TAGS]
+SPECIAL_TOKEN = re.compile("|".join(re.escape(token) for token in SPECIAL_TOKENS))
 
 
 def iter_texts(paths: list[Path]) -> Iterator[str]:
@@ -59,11 +66,12 @@ def iter_texts(paths: list[Path]) -> Iterator[str]:
                     continue
                 record = json.loads(line)
                 if "text" in record:
-                    yield record["text"]
+                    yield from SPECIAL_TOKEN.split(record["text"])
                 elif "conversations" in record:
-                    # The text of the turns as training renders them (tags and ChatML tokens are special,
-                    # so the trainer never merges across them).
-                    yield render_chat_text(record["conversations"])
+                    # The text of the turns as training renders them, cut at the tags and ChatML tokens:
+                    # BPE learning does not split them out by itself, and "<think>\n\n" learned as one
+                    # piece would never merge the "\n\n" that encoding, which does split them, sees.
+                    yield from SPECIAL_TOKEN.split(render_chat_text(record["conversations"]))
                 else:
                     raise ValueError(f'{path}, line {line_number}: no "text" or "conversations" field')
 
@@ -75,19 +83,20 @@ def train_tokenizer(paths: list[Path], vocab_size: int, split_chinese_chars: boo
     merge frequent Chinese character sequences into one token.
     """
     tokenizer = Tokenizer(models.BPE())
-    # Split words and punctuation GPT-2 style, then map bytes to printable symbols.
-    # add_prefix_space=False keeps decode(encode(s)) == s exactly.
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Qwen2's split, then bytes mapped to printable symbols (the regex already split, so ByteLevel's own
+    # GPT-2 regex is off). add_prefix_space=False keeps decode(encode(s)) == s exactly.
+    qwen2_split = [pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated"),
+                   pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     if split_chinese_chars:
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-            # Chinese has no spaces, so without this a whole clause such as "秘鲁的首都是哪里"
-            # is one pre-token, and on a small corpus BPE merges it into a single token that
-            # hides its words from the model. Each Chinese character stays a token of its own.
-            pre_tokenizers.Split(Regex(r"\p{Han}"), behavior="isolated"),
-            byte_level,
-        ])
+        # While learning only: Chinese has no spaces, so Qwen2's regex keeps a clause such as
+        # "秘鲁的首都是哪里" one pre-token, and on a small corpus BPE would merge it into a single
+        # token that hides its words from the model. Seeing each Chinese character alone, BPE learns
+        # no merge across two of them, so the saved tokenizer, splitting with Qwen2's regex alone
+        # (what llama.cpp runs), still gives every Chinese character a token of its own.
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r"\p{Han}"), behavior="isolated"), *qwen2_split])
     else:
-        tokenizer.pre_tokenizer = byte_level
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(qwen2_split)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -96,6 +105,7 @@ def train_tokenizer(paths: list[Path], vocab_size: int, split_chinese_chars: boo
         show_progress=False,
     )
     tokenizer.train_from_iterator(iter_texts(paths), trainer=trainer)
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(qwen2_split)  # the file's split is exactly Qwen2's
     for expected_id, token in enumerate(SPECIAL_TOKENS):
         if tokenizer.token_to_id(token) != expected_id:
             raise RuntimeError(f"{token} got id {tokenizer.token_to_id(token)}, expected {expected_id}")
