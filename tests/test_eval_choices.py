@@ -41,7 +41,7 @@ ITEMS = [
     {"question": "下列哪个是水果？\nA. 苹果\nB. 白菜\n答案：", "choices": ["A", "B"], "answer": 0},
     {"question": "The sky on a clear day is ", "choices": ["blue", "green", "red as blood", "white"], "answer": 0},
     {"question": "Once upon a time there was a\n", "choices": ["princess", "dragon", "tiny little mouse"], "answer": 2},
-    {"question": "3加4等于几？", "choices": ["7", "八", "十二", "六十三"], "answer": 0},
+    {"question": "5加7等于几？", "choices": ["七", "8", "十二", "63"], "answer": 2},
     {"question": "Question: Which is a number?\nAnswer:", "choices": ["seven", "table", "the quick brown fox"], "answer": 0},
     {"question": "The opposite of hot is", "choices": ["cold", "warm", "freezing cold", "icy"], "answer": 0},
     {"question": "小猫怎么叫？", "choices": ["喵喵", "汪汪汪", "哞"], "answer": 0},

@@ -1,9 +1,11 @@
 """scripts/serve_openai_api.py, run as a real process on a loopback port and asked by the official
 `openai` client (and, for the bad requests, by plain HTTP).
 
-The served model is a tiny one fine-tuned for 40 steps on four demo questions (a few seconds on the
-CPU): it answers one of them properly, after an empty think block, and writes stray tags for
-others, so both readings of a reply are exercised. Greedy decoding makes every answer reproducible,
+The served model is a tiny one fine-tuned for 50 steps on four demo questions and one whose think block
+is a run of newlines longer than the trained length (a few seconds on the CPU): it answers the frog
+question properly, after an empty think block, writes stray tags for others, and answers some after an
+empty think block with newlines that never end, so both readings of a reply, the time limit and a stream
+with nothing to show are exercised. Greedy decoding makes every answer reproducible,
 so the server's answers are compared with eval_model.py's, computed in this process. The model was
 trained at --max_seq_len 48 (TINY_MODEL), so a longer prompt is refused; the server runs with a 4 s
 time limit per request, which the tests that ask for long replies reach.
@@ -35,7 +37,11 @@ QUESTIONS = [json.loads(line)["conversations"] for line in
 LEARNED = [QUESTIONS[i] for i in (0, 1, 3, 4)]  # next number, opposite (zh), animal sound (zh), addition
 FROG = [{"role": "user", "content": "青蛙怎么叫？"}]  # answered properly: "<think>\n\n</think>\n\n" + answer
 MAX_TOKENS = 24
-ENDLESS = [{"role": "user", "content": "What is 2+3?"}]  # answered by an empty think block, then newlines only
+ENDLESS = [{"role": "user", "content": "What is the capital of France?"}]  # an empty think block, then newlines only
+# Its newlines run past --max_seq_len, so the model learns newlines that do not end (the chat template strips
+# newlines at the ends of a think block or an answer, not inside one).
+NEWLINES = [{"role": "user", "content": "What is 2+3?"},
+            {"role": "assistant", "reasoning_content": "add" + "\n" * 80 + "done", "content": "5"}]
 TIME_LIMIT_S = 4  # --request_time_limit: longer than any reply but the ENDLESS ones; the model writes ~200 tokens/s
 
 
@@ -44,7 +50,8 @@ def served(tmp_path_factory):
     """(base URL, eval_model args) of a server on a free 127.0.0.1 port; it is terminated at the end."""
     root = tmp_path_factory.mktemp("serve")
     data = root / "learned.jsonl"
-    data.write_text("".join(json.dumps({"conversations": c}, ensure_ascii=False) + "\n" for c in LEARNED * 8),
+    data.write_text("".join(json.dumps({"conversations": c}, ensure_ascii=False) + "\n"
+                            for c in [*LEARNED, NEWLINES] * 8),
                     encoding="utf-8")
     train("train_full_sft.py", None, run_args(root, data, "--from_weight", "none", "--batch_size", "8", "--epochs",
                                               "10", "--learning_rate", "1e-2", "--warmup_ratio", "0"), root)
@@ -335,5 +342,5 @@ def test_lora_serves_the_adapted_model_under_its_own_name(tmp_path, monkeypatch)
     text = eval_model.generate_text(adapted, tokenizer, eval_model.chat_prompt_ids(tokenizer, FROG), 6)
     plain = eval_model.load_model(eval_model.build_arg_parser().parse_args(argv[:-2]), tokenizer, torch.device("cpu"))
     assert text != eval_model.generate_text(plain, tokenizer, eval_model.chat_prompt_ids(tokenizer, FROG), 6)
-    assert reply["choices"][0]["message"]["content"] == eval_model.answer_from_generation(text).strip()
+    assert reply["choices"][0]["message"]["content"] == eval_model.answer_from_generation(text)
     assert serve.main([*argv[:-1], "medical"]) == 2  # no such adapter: one line, exit 2, as eval_model.py
