@@ -1,27 +1,40 @@
-// Load a GGUF in llama.cpp (through node-llama-cpp's prebuilt binary, CPU only), tokenize texts and
-// generate greedily; print JSON for tests/gguf/compare_llama_cpp.py. Texts are tokenized with special tokens
-// recognised, as the tokenizers library does with added tokens.
-//   node llama_cpp_check.mjs model.gguf cases.json   (cases: {"texts": [...], "prompts": [[ids...]], "n": 8})
+// llama.cpp's answers on one GGUF, for tests/test_gguf.py: token ids of texts and greedy tokens after prompts.
+// It runs node-llama-cpp's prebuilt CPU binary, offline (build: "never": never download or compile llama.cpp).
+//   node tests/gguf/llama_cpp_check.mjs model.gguf cases.json
+//   cases.json: {"texts": ["..."], "prompts": [[1, 872, ...]], "n": 16, "chat": [{"role": "user", "content": "..."}]}
+// prints one JSON line: {"tokens": [[...] per text], "generated": [[...] per prompt], "chat": "<the rendered template>"}
 import {readFileSync} from "node:fs";
-import {getLlama, LlamaLogLevel} from "node-llama-cpp";
+import {getLlama, LlamaLogLevel, JinjaTemplateChatWrapper, LlamaText} from "node-llama-cpp";
 
 const [modelPath, casesPath] = process.argv.slice(2);
 const cases = JSON.parse(readFileSync(casesPath, "utf8"));
 const llama = await getLlama({gpu: false, build: "never", logLevel: LlamaLogLevel.error});
 const model = await llama.loadModel({modelPath});
-const tokens = cases.texts.map((t) => Array.from(model.tokenize(t, true)));
+
+// true: special tokens written in the text (<|im_start|>) become their ids, as the tokenizers library does
+const tokens = (cases.texts ?? []).map((text) => Array.from(model.tokenize(text, true)));
+
 const generated = [];
-for (const prompt of cases.prompts) {
-    const context = await model.createContext({contextSize: 256});
-    const sequence = context.getSequence();
+for (const prompt of cases.prompts ?? []) {
+    const context = await model.createContext({contextSize: 256, threads: 1});  // 1: no spinning threads on a busy CPU
     const out = [];
-    for await (const token of sequence.evaluate(prompt, {temperature: 0})) {
+    for await (const token of context.getSequence().evaluate(prompt, {temperature: 0})) {  // 0: greedy
         out.push(token);
         if (out.length >= cases.n) break;
     }
     generated.push(out);
     await context.dispose();
 }
-console.log(JSON.stringify({tokens, generated}));
+
+let chat = null;
+if (cases.chat) {  // the chat template stored in the file, run by node-llama-cpp's Jinja engine
+    const template = model.fileInfo.metadata.tokenizer.chat_template;
+    const wrapper = new JinjaTemplateChatWrapper({template, tokenizer: model.tokenizer});
+    const history = cases.chat.map((m) => m.role === "user" ? {type: "user", text: m.content}
+        : m.role === "system" ? {type: "system", text: m.content} : {type: "model", response: [m.content]});
+    chat = LlamaText(wrapper.generateContextState({chatHistory: history}).contextText).toString();
+}
+
+console.log(JSON.stringify({tokens, generated, chat}));
 await model.dispose();
 await llama.dispose();
