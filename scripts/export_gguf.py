@@ -36,12 +36,8 @@ import gguf  # noqa: E402  (pip install gguf: llama.cpp's own Python writer)
 from model.chat_template import CHAT_TEMPLATE  # noqa: E402
 from model.hf import check_tokenizer, import_hf, load_project_weights  # noqa: E402
 from model.model import LMConfig  # noqa: E402
-from model.tokenizer import BOS_ID, DEFAULT_TOKENIZER  # noqa: E402
-
-# Qwen2's tokenizer.json pattern. llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2 runs the same regex, with the
-# (?i:...) group spelled out case by case since its regex engine lacks it.
-QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# QWEN2_PATTERN: Qwen2's regex, which llama.cpp runs for tokenizer.ggml.pre = qwen2
+from model.tokenizer import BOS_ID, DEFAULT_TOKENIZER, QWEN2_PATTERN  # noqa: E402
 
 
 def describe(pre: dict | None) -> str:
