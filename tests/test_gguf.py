@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from contextlib import redirect_stderr, redirect_stdout
@@ -67,10 +68,11 @@ def demo_texts(per_file: int = 40) -> list[str]:
 @pytest.fixture(scope="module")
 def llama_cpp():
     """run(gguf_path, texts, prompts, chat) -> llama.cpp's token ids, greedy tokens and rendered chat."""
-    if not (NODE_DIR / "node_modules" / "node-llama-cpp").is_dir():
+    if shutil.which("node") is None or not (NODE_DIR / "node_modules" / "node-llama-cpp").is_dir():
+        missing = f"node (20 or newer), then {INSTALL}" if shutil.which("node") is None else INSTALL
         if os.environ.get("TRAINER_REQUIRE_LLAMA_CPP") == "1":
-            pytest.fail(f"TRAINER_REQUIRE_LLAMA_CPP=1 but tests/gguf/node_modules is missing: run {INSTALL}")
-        pytest.skip(f"llama.cpp for node is not installed: run {INSTALL}")
+            pytest.fail(f"TRAINER_REQUIRE_LLAMA_CPP=1 but llama.cpp for node is not installed: install {missing}")
+        pytest.skip(f"llama.cpp for node is not installed: install {missing}")
 
     def run(path: Path, texts=(), prompts=(), chat=None) -> dict:
         cases = path.with_suffix(".cases.json")
@@ -202,7 +204,9 @@ def test_moe_exports_as_qwen3moe_and_llama_cpp_routes_as_our_moe_feed_forward(tm
     assert code == 0, err
     prompts = [tokenizer.encode(p).ids for p in PROMPTS]
     theirs = [until_eos(g) for g in llama_cpp(tmp_path / "moe.gguf", prompts=prompts)["generated"]]
-    assert greedy(model, prompts) == theirs
+    ours = greedy(model, prompts)
+    print(f"MoE (4 experts, top-2) FP16 greedy equal on {sum(a == b for a, b in zip(ours, theirs))}/{len(prompts)} prompts")
+    assert ours == theirs
 
 
 def test_a_plain_byte_level_tokenizer_like_miniminds_exports_as_gpt2_with_the_same_ids(tmp_path, llama_cpp):
@@ -218,7 +222,11 @@ def test_a_plain_byte_level_tokenizer_like_miniminds_exports_as_gpt2_with_the_sa
     assert code == 0 and "tokenizer.ggml.pre=gpt-2" in out, out + err
     texts = HAND_TEXTS + demo_texts()
     theirs = llama_cpp(tmp_path / "m.gguf", texts)["tokens"]
-    assert [tokenizer.encode(t).ids for t in texts] == theirs
+    ours = [tokenizer.encode(t).ids for t in texts]
+    print(f"gpt-2 pre-tokenizer: token ids equal on {sum(a == b for a, b in zip(ours, theirs))}/{len(texts)} texts")
+    assert ours == theirs
+    code, _, err = export(pth, "--out", tmp_path / "x.gguf")  # the committed tokenizer has more tokens than this model
+    assert code == 2 and "more than the model's vocab_size 800" in err and err.count("\n") == 1, err
 
 
 def test_the_gguf_chat_template_renders_in_llama_cpps_engine_as_ours(dense, llama_cpp):
@@ -227,7 +235,7 @@ def test_the_gguf_chat_template_renders_in_llama_cpps_engine_as_ours(dense, llam
             {"role": "assistant", "content": "利马"}, {"role": "user", "content": "And France?"}]
     theirs = llama_cpp(tmp / "f16.gguf", chat=chat)["chat"]
     assert gguf.GGUFReader(tmp / "f16.gguf").fields["tokenizer.chat_template"].contents() == CHAT_TEMPLATE
-    assert theirs.startswith(render_chat_text(chat)), (theirs, render_chat_text(chat))
+    assert theirs == render_chat_text(chat)  # the history as given: it ends with the user's turn
 
 
 def test_a_han_isolating_tokenizer_and_an_existing_out_file_are_refused_in_one_line(dense, tmp_path):
@@ -239,7 +247,6 @@ def test_a_han_isolating_tokenizer_and_an_existing_out_file_are_refused_in_one_l
     (tmp_path / "han.json").write_text(json.dumps(config))
     out = tmp_path / "han.gguf"
     code, _, err = export(tmp / "full_sft_64.pth", "--out", out, "--tokenizer", tmp_path / "han.json")
-    print(err)
     assert code == 2 and err.startswith("export_gguf: ") and err.count("\n") == 1, err
     assert r"Split('\\p{Han}', Isolated), ByteLevel(use_regex=True)" in err
     assert "trainer/train_tokenizer.py" in err and "--force_pre gpt-2" in err
