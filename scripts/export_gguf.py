@@ -44,16 +44,17 @@ def describe(pre: dict | None) -> str:
     """A pre-tokenizer's JSON in one short line, e.g. Sequence[Split('\\p{Han}', Isolated), ByteLevel(use_regex=True)]."""
     if not pre:
         return "none"
-    if pre["type"] == "Sequence":
-        return "Sequence[" + ", ".join(describe(p) for p in pre["pretokenizers"]) + "]"
-    if pre["type"] == "Split":
-        pattern = pre["pattern"].get("Regex", pre["pattern"].get("String"))
+    kind = pre.get("type")
+    if kind == "Sequence":
+        return "Sequence[" + ", ".join(describe(p) for p in pre.get("pretokenizers", [])) + "]"
+    if kind == "Split":
+        pattern = pre.get("pattern", {}).get("Regex", pre.get("pattern", {}).get("String"))
         pattern = "QWEN2_PATTERN" if pattern == QWEN2_PATTERN else repr(pattern)
-        return f"Split({pattern}, {pre['behavior']}{', invert' if pre.get('invert') else ''})"
-    if pre["type"] == "ByteLevel":
+        return f"Split({pattern}, {pre.get('behavior')}{', invert' if pre.get('invert') else ''})"
+    if kind == "ByteLevel":
         prefix = ", add_prefix_space" if pre.get("add_prefix_space") else ""
         return f"ByteLevel(use_regex={pre.get('use_regex', True)}{prefix})"
-    return pre["type"]
+    return str(kind)
 
 
 KNOWN_PRE = {"Sequence[Split(QWEN2_PATTERN, Isolated), ByteLevel(use_regex=False)]": "qwen2",
@@ -77,6 +78,7 @@ def read_tokenizer(path: Path) -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         model, decoder = data["model"], data.get("decoder") or {}
+        model["vocab"], model["merges"]  # a BPE model has both
     except (ValueError, KeyError, TypeError) as error:
         raise ValueError(f"{path}: not a tokenizer.json ({error})") from None
     if model.get("type") != "BPE" or decoder.get("type") != "ByteLevel" or data.get("normalizer"):
@@ -173,6 +175,8 @@ def export_gguf(source: Path, out: Path, tokenizer_path: Path | None = None, qty
                 force_pre: str | None = None, num_experts_per_tok: int | None = None) -> str:
     """Write `source` (an out/*.pth or a Hugging Face folder) to `out`; returns the tokenizer.ggml.pre used."""
     if source.is_dir():  # scripts/export_hf.py's folder: config.json, model.safetensors, tokenizer.json
+        if not (source / "config.json").is_file():
+            raise FileNotFoundError(f"{source} has no config.json: pass a folder scripts/export_hf.py wrote")
         state_dict, cfg = import_hf(source)
         tokenizer_path = tokenizer_path or source / "tokenizer.json"
     elif source.is_file():
@@ -187,6 +191,7 @@ def export_gguf(source: Path, out: Path, tokenizer_path: Path | None = None, qty
     pre = force_pre or llama_cpp_pre(tokenizer_path, data.get("pre_tokenizer"))
     check_tokenizer(tokenizer_path, cfg)  # special-token ids and size fit the model
 
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")  # written whole, then renamed: never a half file under `out`
     try:
         writer = gguf.GGUFWriter(str(tmp), "qwen3moe" if cfg.use_moe else "qwen3")
@@ -220,6 +225,8 @@ def main() -> None:
                         help="MoE top-k of an out/*.pth (no tensor records it; default 1, as in training)")
     args = parser.parse_args()
     try:
+        if args.out.is_dir():
+            raise ValueError(f"--out {args.out} is a folder: give the file to write, e.g. {args.out / 'model.gguf'}")
         if args.out.exists() and not args.force:
             raise ValueError(f"{args.out} exists: pass --force to overwrite it, or choose another --out")
         pre = export_gguf(args.source, args.out, args.tokenizer, args.type, args.force_pre, args.num_experts_per_tok)

@@ -188,7 +188,11 @@ def test_an_hf_export_folder_gives_the_same_gguf_tensors_as_its_pth(dense, tmp_p
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "export_gguf.py"), str(hf_dir),
                            "--out", str(tmp_path / "from_hf.gguf")], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    a, b = gguf.GGUFReader(tmp / "f16.gguf"), gguf.GGUFReader(tmp_path / "from_hf.gguf")
+    assert_same_tensors(tmp / "f16.gguf", tmp_path / "from_hf.gguf")
+
+
+def assert_same_tensors(path_a: Path, path_b: Path) -> None:
+    a, b = gguf.GGUFReader(path_a), gguf.GGUFReader(path_b)
     assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
     for x, y in zip(a.tensors, b.tensors):
         assert x.tensor_type == y.tensor_type and (x.data == y.data).all(), x.name
@@ -207,6 +211,11 @@ def test_moe_exports_as_qwen3moe_and_llama_cpp_routes_as_our_moe_feed_forward(tm
     ours = greedy(model, prompts)
     print(f"MoE (4 experts, top-2) FP16 greedy equal on {sum(a == b for a, b in zip(ours, theirs))}/{len(prompts)} prompts")
     assert ours == theirs
+    hf_dir = export_hf(torch.load(pth), model.config, tmp_path / "hf_moe")  # Qwen3MoeForCausalLM, top-k in config.json
+    code, _, err = export(hf_dir, "--out", tmp_path / "moe_from_hf.gguf")
+    assert code == 0, err
+    assert_same_tensors(tmp_path / "moe.gguf", tmp_path / "moe_from_hf.gguf")
+    assert gguf.GGUFReader(tmp_path / "moe_from_hf.gguf").fields["qwen3moe.expert_used_count"].contents() == 2
 
 
 def test_a_plain_byte_level_tokenizer_like_miniminds_exports_as_gpt2_with_the_same_ids(tmp_path, llama_cpp):
