@@ -231,7 +231,8 @@ def main() -> None:
             raise ValueError(f"{args.out} exists: pass --force to overwrite it, or choose another --out")
         pre = export_gguf(args.source, args.out, args.tokenizer, args.type, args.force_pre, args.num_experts_per_tok)
     except (ValueError, OSError) as error:  # the user's input, not a bug: one line, no traceback
-        print(f"export_gguf: {error}", file=sys.stderr)
+        message = "; ".join(line.strip() for line in str(error).splitlines()).replace(":; ", ": ")
+        print(f"export_gguf: {message}", file=sys.stderr)
         sys.exit(2)
     size = args.out.stat().st_size
     print(f"wrote {args.out}: {size:,} bytes ({size / 2**20:.1f} MiB), {args.type}, tokenizer.ggml.pre={pre}")
