@@ -106,7 +106,7 @@ def mild_random_model(vocab_size: int, seed: int = 0, **sizes) -> CausalLM:
                   intermediate_size=128, vocab_size=vocab_size, max_position_embeddings=512)
     model = CausalLM(LMConfig(**{**config, **sizes})).eval()
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.ndim == 1:
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             else:
