@@ -66,7 +66,7 @@ python trainer/train_lora.py "${SIZE[@]}" --max_seq_len 64 --batch_size 32 --lea
 stop_if_stopped lora_demo_128
 
 echo "== 5. DPO: the right answer preferred to a wrong one, from out/full_sft_128.pth against a frozen copy"
-python trainer/train_dpo.py "${SIZE[@]}" --max_seq_len 64 --batch_size 32 --learning_rate 3e-4 --beta 0.1 \
+python trainer/train_dpo.py "${SIZE[@]}" --max_seq_len 64 --batch_size 32 --learning_rate 3e-5 --beta 0.1 \
     --epochs 2 --log_interval 10 --save_interval 200
 stop_if_stopped dpo_128
 
