@@ -3,7 +3,7 @@
 #   demo data -> pretrain -> SFT -> LoRA -> DPO -> before-and-after table -> chat answers -> loss curves.
 # Sizes are small on purpose (a ~1M-parameter model, 0.59M with --quick); the flags are the same on a GPU.
 #
-#   bash scripts/run_demo.sh                  # 4 layers, 2 epochs of pretraining and 2 of SFT: 9 min 19 s on a quiet 2-core CPU
+#   bash scripts/run_demo.sh                  # 4 layers, 2 epochs of pretraining and 2 of SFT: 8 min 45 s on a quiet 2-core CPU
 #   bash scripts/run_demo.sh --quick          # the same eight stages on 2 layers, 1 epoch of pretraining: 4 min 46 s there
 #   bash scripts/run_demo.sh --check_machine  # only the check below: is the machine busy or small?
 #
