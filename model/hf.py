@@ -56,7 +56,10 @@ def check_state_dict(state_dict: dict[str, torch.Tensor], lm_config: LMConfig,
 
 def check_tokenizer(tokenizer_path: Path, lm_config: LMConfig) -> None:
     """Raise ValueError unless the tokenizer's special-token ids and size fit the model."""
-    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    try:
+        tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    except Exception as error:  # the tokenizers library raises a bare Exception for a file it cannot read
+        raise ValueError(f"{tokenizer_path}: the tokenizers library cannot load it ({error})") from error
     wrong = [
         f"{token} is {tokenizer.token_to_id(token)}, expected {expected}"
         for token, expected in SPECIAL_TOKENS.items()

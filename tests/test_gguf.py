@@ -267,3 +267,8 @@ def test_a_han_isolating_tokenizer_and_an_existing_out_file_are_refused_in_one_l
     assert out.read_bytes() == b"the user's own file"
     code, _, err = export(tmp_path / "missing.pth", "--out", tmp_path / "x.gguf")
     assert code == 2 and "missing.pth not found" in err and err.count("\n") == 1, err
+    config = json.loads(tokenizer.to_str())
+    config["model"]["dropout"] = "high"  # valid JSON of the right shape, which the tokenizers library refuses
+    (tmp_path / "broken.json").write_text(json.dumps(config))
+    code, _, err = export(tmp / "full_sft_64.pth", "--out", tmp_path / "x.gguf", "--tokenizer", tmp_path / "broken.json")
+    assert code == 2 and "broken.json: the tokenizers library cannot load it" in err and err.count("\n") == 1, err
