@@ -48,7 +48,8 @@ from tokenizers import Tokenizer
 
 from dataset.chat_format import ChatEncoder, parse_conversation, render_segments
 from dataset.dpo_dataset import DPODataset
-from dataset.jsonl_file import JsonlFile, not_a_data_file, parse_json_text
+from dataset.json_text import not_a_data_file, parse_json_text
+from dataset.jsonl_file import JsonlFile
 from dataset.lm_dataset import PretrainDataset, SFTDataset
 from eval_choices import choice_loglikelihoods, format_choice_scores, format_pair_scores, load_hf_model, \
     pair_logprobs, picks, read_choice_items, score_choices, score_pairs
@@ -381,8 +382,13 @@ def main(argv: list[str] | None = None) -> int:
     for flag, path in (("--bpb_data", args.bpb_data), ("--eval", args.eval)):  # said before the model is loaded
         problem = not_a_data_file(path) if path else None  # (a FIFO would be waited on, a folder has no lines)
         if problem:
-            print(f"error: {flag} {path}: {problem}; give a JSONL file", file=sys.stderr)
+            print(f"error: {flag} {path}: {problem}", file=sys.stderr)
             return 2
+    try:  # a broken --eval line is said before the model is loaded too (DataFileError is a ValueError)
+        records = read_jsonl(args.eval) if args.eval else []
+    except (OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     try:
         # On stderr: stdout carries only the answers (a --prompt answer may be piped on).
         model = load_model(args, tokenizer, torch.device(args.device), log=lambda line: print(line, file=sys.stderr))
@@ -401,11 +407,6 @@ def main(argv: list[str] | None = None) -> int:
     elif args.eval:
         if raw_text:
             print("note: --weight pretrain was not trained on chat; expect a low exact-match score", flush=True)
-        try:
-            records = read_jsonl(args.eval)
-        except (OSError, ValueError) as error:  # a broken line (DataFileError is a ValueError)
-            print(f"error: {error}", file=sys.stderr)
-            return 2
         correct, total = evaluate_exact_match(model, tokenizer, records, args.max_new_tokens,
                                               log=print if args.verbose else None)
         print(format_accuracy(correct, total), flush=True)

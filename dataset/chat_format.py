@@ -22,7 +22,7 @@ from typing import Any, Iterable, NamedTuple
 
 from tokenizers import Tokenizer
 
-from dataset.jsonl_file import unusable_text
+from dataset.json_text import unusable_text
 from model.chat_template import TAGS, TOOLS_INTRO, TOOLS_OUTRO
 from model.tokenizer import BOS_ID, BOS_TOKEN, EOS_ID, EOS_TOKEN, text_for_tokens, text_only_copy
 

@@ -5,8 +5,10 @@ full one 10 GB), so nothing here holds the text: the index is two int64 arrays (
 starts, and its line number for error messages), 16 bytes a record, and a record is read and
 parsed only when the dataset asks for it.
 
-Building the index reads the file once, in large blocks, and parses every line with `json.loads`
-so that a broken line stops the run before training starts, with the file and line number. The same
+Building the index reads the file once, in large blocks, and parses every line (`parse_json_text`: JSON
+that a tokenizer can read, a lone surrogate escape and nesting past json's reach refused too) so that a
+broken line stops the run before training starts, with the file and line number. A FIFO or a folder is
+refused before it is opened (a FIFO would wait for a writer). The same
 pass hashes every byte (`sha256`, which a resume compares): the blocks are in memory already, and
 SHA-256 is about a tenth of the parsing's cost (0.3 s of CPU on top of 2.5-2.8 s for a 400 MB file, measured):
 
@@ -28,9 +30,7 @@ raises DataFileError saying so, rather than a KeyError, or an "invalid JSON" wit
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import re
 import stat
 import time
 from typing import Any, Callable
@@ -39,6 +39,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dataset.json_text import kind_of_file, parse_json_text
+
 # Read this much at a time: thousands of lines, so per-block costs vanish. Larger blocks were
 # measured slower (fresh large buffers cost page faults) and only add memory.
 BLOCK_BYTES = 4 * 2**20
@@ -46,15 +48,6 @@ UTF8_BOM = b"\xef\xbb\xbf"  # some editors start a file with it; it is not part 
 BLANK_CHARS = " \t\r\x0b\x0c"  # a line of only these holds no record and is skipped
 
 Validator = Callable[[dict], None]
-
-# Text that parses as JSON yet cannot be used. The escape of half a UTF-16 surrogate pair ("\ud800") alone
-# becomes a str that is no Unicode text: it has no UTF-8 bytes, and the tokenizer refuses it (a TypeError, at
-# whatever step first draws the record). Nesting: json.loads stops at about 1,000 levels with a RecursionError;
-# what is written back as JSON (a tool's spec, dataset/chat_format.py) is held to MAX_NESTING levels, as
-# json.dumps fails sooner, the deeper the stack it is called from.
-SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")  # \ud800-\udfff, as JSON writes it
-SURROGATE = re.compile("[\ud800-\udfff]")
-MAX_NESTING = 100
 
 
 class DataFileError(ValueError):
@@ -305,71 +298,6 @@ class JsonlFile:
         return DataFileError(f"{self.path} changed since this run indexed it ({change}). Restore the file, or "
                              f"start again: a new run, or --from_resume 1, indexes it afresh, and a resume compares "
                              f"it with the fingerprint of the data its checkpoint was trained on")
-
-
-# ---- text that parses but cannot be used ---------------------------------------------------
-
-def parse_json_text(text: str) -> Any:
-    """`json.loads(text)` for text a user brought; ValueError says what is wrong: invalid JSON, nested deeper
-    than json.loads goes, or a string holding a lone surrogate (see SURROGATE_ESCAPE), naming where."""
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise ValueError(f"invalid JSON ({e})") from None
-    except RecursionError:
-        raise ValueError(f"nested too deeply for Python's JSON parser (about 1,000 levels of [ and {{); no record "
-                         f"needs more than {MAX_NESTING}") from None
-    # The walk runs only where the text holds such an escape (a search costs some 7% of the parse).
-    if SURROGATE_ESCAPE.search(text):
-        problem = unusable_text(value)
-        if problem is not None:
-            raise ValueError(problem)
-    return value
-
-
-def unusable_text(value: Any, name: str = "") -> str | None:
-    """What in a parsed JSON `value` (called `name`) no stage can use, naming where (`conversations[1].content`),
-    or None."""
-    stack = [(value, name, 0)]
-    while stack:
-        item, where, depth = stack.pop()
-        if depth > MAX_NESTING:
-            field = re.split(r"[.\[]", where, maxsplit=1)[0]  # the top field: the full path would be as deep
-            return f"{field or 'the value'} is nested more than {MAX_NESTING} levels deep; flatten it"
-        if isinstance(item, str) and not item.isascii() and SURROGATE.search(item):
-            return (f"{where or 'the value'} holds a lone surrogate escape (\\u{ord(SURROGATE.search(item)[0]):x}), "
-                    f"half of a UTF-16 pair and no character, so it cannot be tokenized; write the character itself "
-                    f"or both halves of its pair")
-        if isinstance(item, dict):
-            for key, child in reversed(item.items()):  # reversed: the first problem in the text is found first
-                if not key.isascii() and SURROGATE.search(key):
-                    return f"a key in {where or 'the object'} holds a lone surrogate escape; write it as text"
-                stack.append((child, f"{where}.{key}" if where else key, depth + 1))
-        elif isinstance(item, list):
-            stack.extend((child, f"{where}[{n}]", depth + 1) for n, child in reversed(list(enumerate(item))))
-    return None
-
-
-def kind_of_file(mode: int) -> str:
-    """What a path that is not a regular file is, in words ("a folder", "a FIFO (named pipe)", ...)."""
-    if stat.S_ISDIR(mode):
-        return "a folder"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO (named pipe)"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    return "not a regular file"
-
-
-def not_a_data_file(path: str | os.PathLike) -> str | None:
-    """Why `path` cannot be read as a data file ("no such file", "a folder", ...), or None: it is a file."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError as error:
-        return "no such file" if isinstance(error, FileNotFoundError) else error.strerror
-    return None if stat.S_ISREG(mode) else kind_of_file(mode)
 
 
 # ---- sharing the index between ranks --------------------------------------------------------

@@ -44,7 +44,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field, ValidationError
 from tokenizers import Tokenizer
 
-from dataset.jsonl_file import parse_json_text
+from dataset.json_text import parse_json_text
 from eval_model import add_model_flags, chat_encoder, chat_prompt_ids, find_weight_file, generate_ids, load_model
 from model.model import CausalLM
 from model.tokenizer import load_tokenizer
