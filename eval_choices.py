@@ -32,7 +32,6 @@ for the chosen answer (what DPO training raises; trainer/train_dpo.py's validati
 
 from __future__ import annotations
 
-import json
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +39,8 @@ from typing import Callable
 
 import torch
 from tqdm import tqdm
+
+from dataset.jsonl_file import JsonlFile
 
 TARGET_DELIMITER = " "  # lm-eval's default target_delimiter, between the question and each choice
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -74,20 +75,10 @@ def parse_choice_item(record: object) -> ChoiceItem:
 
 
 def read_choice_items(path: str | Path) -> list[ChoiceItem]:
-    """Every item of a JSONL file; ValueError names `path:line` and the fix for the first bad line."""
-    items = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                items.append(parse_choice_item(json.loads(line)))
-            except ValueError as error:  # json.JSONDecodeError is a ValueError too
-                raise ValueError(f"{path}:{number}: {error}; fix or remove that line") from None
-    if not items:
-        raise ValueError(f"{path}: no items; each line is "
-                         '{"question": "...", "choices": ["...", "..."], "answer": 0}')
-    return items
+    """Every item of a JSONL file, indexed and checked as the trainer's data is (dataset/jsonl_file.py): a
+    DataFileError (a ValueError) names the file, the line and the fix for the first bad line."""
+    source = JsonlFile(path, validate=parse_choice_item)
+    return [parse_choice_item(source.read(i)) for i in range(len(source))]
 
 
 # ---- log-likelihoods -------------------------------------------------------------------------

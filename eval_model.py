@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import re
 import sys
 from pathlib import Path
@@ -49,6 +48,8 @@ from tokenizers import Tokenizer
 
 from dataset.chat_format import ChatEncoder, parse_conversation, render_segments
 from dataset.dpo_dataset import DPODataset
+from dataset.json_text import not_a_data_file, parse_json_text
+from dataset.jsonl_file import JsonlFile
 from dataset.lm_dataset import PretrainDataset, SFTDataset
 from eval_choices import choice_loglikelihoods, format_choice_scores, format_pair_scores, load_hf_model, \
     pair_logprobs, picks, read_choice_items, score_choices, score_pairs
@@ -214,8 +215,10 @@ def evaluate_exact_match(model: CausalLM, tokenizer: Tokenizer, records: list[di
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The records of an --eval file, indexed and checked as the trainer's data is (dataset/jsonl_file.py): a
+    DataFileError (a ValueError) names the file, the line and the fix for the first bad line."""
+    source = JsonlFile(path, validate=split_eval_record)
+    return [source.read(i) for i in range(len(source))]
 
 
 def format_accuracy(correct: int, total: int) -> str:
@@ -235,10 +238,10 @@ def score_file(model: CausalLM, tokenizer: Tokenizer, path: str | Path, max_seq_
 def file_loss(model: CausalLM, tokenizer: Tokenizer, path: str | Path, max_seq_len: int) -> Validation:
     """The loss per token and bits per byte of `model` on the JSONL file `path`. The file is read by the
     trainer's dataset of its format (told by its first line), so the numbers are those --val_data gives."""
-    with open(path, encoding="utf-8") as f:
-        first = next((line for line in f if line.strip()), "")
+    with open(path, "rb") as f:  # bytes: the dataset names a line that is not UTF-8 (or not JSON) with its number
+        first = next((line for line in f if line.strip()), b"").decode("utf-8", errors="replace")
     try:
-        is_chat = "conversations" in json.loads(first)
+        is_chat = "conversations" in parse_json_text(first)
     except (ValueError, TypeError):  # not JSON, or not an object: the dataset's check names the line
         is_chat = False
     dataset = (SFTDataset if is_chat else PretrainDataset)(path, tokenizer, max_seq_len)
@@ -278,7 +281,8 @@ def evaluate_pairs(args: argparse.Namespace) -> int:
     reward is higher (eval_choices.score_pairs)."""
     device, tokenizer = torch.device(args.device), load_tokenizer(args.tokenizer_path)
     try:
-        dataset = DPODataset(args.pairs_data, tokenizer, args.max_seq_len)  # a bad line: before a model is loaded
+        dataset = DPODataset(args.pairs_data, tokenizer, args.max_seq_len,  # a bad line: before a model is loaded
+                             log=lambda line: print(line, file=sys.stderr))  # (and pairs beyond --max_seq_len)
         weights = [args.weight] + ([args.ref_weight] if args.ref_weight else [])
         models = [load_model(argparse.Namespace(**{**vars(args), "weight": weight}), tokenizer, device,
                              log=lambda line: print(line, file=sys.stderr)) for weight in weights]
@@ -375,8 +379,15 @@ def main(argv: list[str] | None = None) -> int:
         return evaluate_pairs(args)
     torch.manual_seed(args.seed)
     tokenizer = load_tokenizer(args.tokenizer_path)
-    if args.bpb_data and not Path(args.bpb_data).is_file():  # said before the model is loaded
-        print(f"error: --bpb_data {args.bpb_data}: no such file", file=sys.stderr)
+    for flag, path in (("--bpb_data", args.bpb_data), ("--eval", args.eval)):  # said before the model is loaded
+        problem = not_a_data_file(path) if path else None  # (a FIFO would be waited on, a folder has no lines)
+        if problem:
+            print(f"error: {flag} {path}: {problem}", file=sys.stderr)
+            return 2
+    try:  # a broken --eval line is said before the model is loaded too (DataFileError is a ValueError)
+        records = read_jsonl(args.eval) if args.eval else []
+    except (OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
         return 2
     try:
         # On stderr: stdout carries only the answers (a --prompt answer may be piped on).
@@ -396,7 +407,6 @@ def main(argv: list[str] | None = None) -> int:
     elif args.eval:
         if raw_text:
             print("note: --weight pretrain was not trained on chat; expect a low exact-match score", flush=True)
-        records = read_jsonl(args.eval)
         correct, total = evaluate_exact_match(model, tokenizer, records, args.max_new_tokens,
                                               log=print if args.verbose else None)
         print(format_accuracy(correct, total), flush=True)

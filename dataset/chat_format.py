@@ -22,8 +22,9 @@ from typing import Any, Iterable, NamedTuple
 
 from tokenizers import Tokenizer
 
+from dataset.json_text import unusable_text
 from model.chat_template import TAGS, TOOLS_INTRO, TOOLS_OUTRO
-from model.tokenizer import BOS_ID, BOS_TOKEN, EOS_ID, EOS_TOKEN, text_only_copy
+from model.tokenizer import BOS_ID, BOS_TOKEN, EOS_ID, EOS_TOKEN, text_for_tokens, text_only_copy
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 _TAG_SPLIT = re.compile("(" + "|".join(re.escape(t) for t in (BOS_TOKEN, EOS_TOKEN, *TAGS)) + ")")
@@ -50,13 +51,19 @@ def _to_json(value: Any) -> str:
 
 
 def _from_json(value: Any, field: str) -> Any:
-    """`value` itself, or the JSON it holds when it is a string (minimind stores lists as strings)."""
-    if not isinstance(value, str):
-        return value
-    try:
-        return json.loads(value)
-    except ValueError as e:
-        raise ValueError(f'"{field}" is not valid JSON ({e})') from None
+    """`value` itself, or the JSON it holds when it is a string (minimind stores lists as strings). Either way it
+    is written back as JSON and tokenized, so it may not nest deeper than MAX_NESTING nor hold a lone surrogate."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f'"{field}" is not valid JSON ({e})') from None
+        except RecursionError:
+            raise ValueError(f'"{field}" is nested too deeply for Python\'s JSON parser') from None
+    problem = unusable_text(value, field)  # nested deeper than MAX_NESTING, or a lone surrogate: where
+    if problem is not None:
+        raise ValueError(problem)
+    return value
 
 
 def _check_tool_call(call: Any, n: int) -> dict:
@@ -213,19 +220,24 @@ class ChatEncoder:
         self._hidden_ids = {i for i, token in tokenizer.get_added_tokens_decoder().items()
                             if token.special and token.content not in TAGS}
 
-    def encode(self, segments: Iterable[Segment]) -> tuple[list[int], list[bool]]:
-        """(ids, trained): each tag the tokenizer has becomes its id; the text between is encoded in one go."""
+    def encode(self, segments: Iterable[Segment], max_tokens: int | None = None) -> tuple[list[int], list[bool]]:
+        """(ids, trained): each tag the tokenizer has becomes its id; the text between is encoded in one go. With
+        `max_tokens`, the ids start as they would without it, and only what the first `max_tokens` need is
+        tokenized (model/tokenizer.text_for_tokens): a caller that cuts there gets the same ids, sooner."""
         ids: list[int] = []
         trained: list[bool] = []
         # Text is joined with its neighbours (tags without a token of their own included), so the ids are
         # those of encoding the whole rendered string, except where the loss mask starts or ends.
         pieces = [(self.tag_ids.get(s.text) if s.is_tag else None, s.trained, s.text) for s in segments]
         for (tag_id, is_trained), run in groupby(pieces, key=lambda piece: piece[:2]):
+            if max_tokens is not None and len(ids) >= max_tokens:
+                break  # the rest would be cut away
             texts = [text for _, _, text in run]
+            text = "".join(texts) if max_tokens is None else \
+                text_for_tokens("".join(texts), max_tokens - len(ids), self.text_tokenizer)
             # encode_batch, not encode: the same ids, but it lets other threads run meanwhile (encode holds
             # the GIL), so a server tokenizing a long prompt in a thread keeps answering its other clients.
-            new_ids = [tag_id] * len(texts) if tag_id is not None else \
-                self.text_tokenizer.encode_batch(["".join(texts)])[0].ids
+            new_ids = [tag_id] * len(texts) if tag_id is not None else self.text_tokenizer.encode_batch([text])[0].ids
             ids += new_ids
             trained += [is_trained] * len(new_ids)
         return ids, trained

@@ -37,7 +37,7 @@ from torch.utils.data import Dataset
 from dataset.chat_format import ChatEncoder, parse_conversation, render_segments
 from dataset.jsonl_file import DataFileError, JsonlFile, collective_device
 
-from model.tokenizer import BOS_ID, EOS_ID, PAD_ID, text_only_copy
+from model.tokenizer import BOS_ID, EOS_ID, PAD_ID, text_for_tokens, text_only_copy
 
 IGNORE_INDEX = -100  # the default ignore_index of torch.nn.functional.cross_entropy
 # For SFTDataset's optional system-prompt augmentation (minimind adds one to some conversations
@@ -92,7 +92,8 @@ class PretrainDataset(Dataset):
         return len(self.source)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        text = self.source.read(i)["text"]
+        # Only as much text as max_seq_len tokens need is tokenized: the same ids, also for a 60 MB line.
+        text = text_for_tokens(self.source.read(i)["text"], self.max_seq_len, self.tokenizer)
         ids = [BOS_ID] + self.tokenizer.encode(text).ids + [EOS_ID]
         return _pad(ids, list(ids), self.max_seq_len)
 
@@ -216,8 +217,9 @@ class SFTDataset(Dataset):
 
     def encode_conversation(self, messages: list[dict],
                             drop_empty_think: bool = False) -> tuple[list[int], list[int]]:
-        """Token ids and labels (not cut or padded) for one conversation."""
-        ids, trained = self.encoder.encode(render_segments(messages, drop_empty_think=drop_empty_think))
+        """Token ids and labels (not padded) for one conversation, at least its first max_seq_len."""
+        ids, trained = self.encoder.encode(render_segments(messages, drop_empty_think=drop_empty_think),
+                                           max_tokens=self.max_seq_len)
         return ids, [token if is_trained else IGNORE_INDEX for token, is_trained in zip(ids, trained)]
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,6 +26,7 @@ SPECIAL_TOKENS = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 PAD_ID, BOS_ID, EOS_ID = (SPECIAL_TOKENS[t] for t in (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN))
 DEFAULT_TOKENIZER = Path(__file__).resolve().with_name("tokenizer.json")
+CUT_MARGIN_CHARS = 4096  # text_for_tokens keeps this many characters more than twice what its tokens can hold
 # Qwen2's pre-tokenizer regex (its tokenizer.json), which trainer/train_tokenizer.py splits text with.
 # llama.cpp runs the same regex for a GGUF whose tokenizer.ggml.pre is "qwen2" (src/llama-vocab.cpp,
 # with the case-insensitive group spelled out), so scripts/export_gguf.py can promise the same ids.
@@ -64,6 +65,27 @@ def text_only_copy(tokenizer: Tokenizer) -> Tokenizer:
     copy = Tokenizer.from_str(json.dumps(config))
     copy.encode_special_tokens = True
     return copy
+
+
+@functools.lru_cache(maxsize=4)
+def longest_token_chars(tokenizer: Tokenizer) -> int:
+    """The most characters of text one token of `tokenizer` stands for: a vocabulary token's length in the
+    ByteLevel alphabet (one character a byte, and a character is at least a byte), an added token's content."""
+    return max(len(token) for token in tokenizer.get_vocab(with_added_tokens=True))
+
+
+def text_for_tokens(text: str, max_tokens: int, tokenizer: Tokenizer) -> str:
+    """`text`, or as much of its start as its first `max_tokens` tokens need, so that a 60 MB line, cut to a few
+    hundred tokens anyway, is not tokenized whole first (minutes for each step that draws it).
+
+    Those tokens stand for at most max_tokens * longest_token_chars characters. Twice that is kept, plus
+    CUT_MARGIN_CHARS: a cut changes only the tokens near it (the word it falls in), so the first `max_tokens`
+    are those of the whole text, and there are more than `max_tokens` tokens after it (each stands for no more
+    than the longest), so what a caller appends after the text (EOS) is cut away as it was. A text shorter
+    than that is returned as it is: every line a dataset meets in practice gives exactly the ids it gave before.
+    """
+    keep = 2 * max_tokens * longest_token_chars(tokenizer) + CUT_MARGIN_CHARS
+    return text if len(text) <= keep else text[:keep]
 
 
 @functools.lru_cache(maxsize=4)

@@ -16,7 +16,8 @@ and a reply ends, finish_reason "length", after --request_time_limit seconds (de
 A prompt longer than the model was trained at (the max_seq_len in out/{weight}.json, which training writes
 beside the weights) is refused, or served with a warning in the log under --long_prompts warn: the model
 has not learned such positions. GET /v1/models states these limits.
-A bad request gets a 400 in OpenAI's error shape, naming the field.
+A bad request gets a 400 in OpenAI's error shape, naming the field; a body over --max_request_bytes (default
+1 MiB) a 413. The body is parsed and checked in a thread, so a large one does not hold up the other clients.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import queue
 import sys
 import threading
@@ -38,11 +40,11 @@ if __package__ in (None, ""):  # run as a file (python scripts/x.py): make the r
 import torch
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 from tokenizers import Tokenizer
 
+from dataset.json_text import parse_json_text
 from eval_model import add_model_flags, chat_encoder, chat_prompt_ids, find_weight_file, generate_ids, load_model
 from model.model import CausalLM
 from model.tokenizer import load_tokenizer
@@ -65,11 +67,54 @@ class Limits(NamedTuple):
     request_time_limit_s: float  # --request_time_limit: seconds of generation, then finish_reason "length"
     trained_max_seq_len: int | None  # out/{weight}.json's max_seq_len; None: not recorded (minimind's weights)
     long_prompts: str  # --long_prompts: "refuse" or "warn" a prompt longer than trained_max_seq_len
+    max_request_bytes: int  # --max_request_bytes: a larger body gets a 413
 
 
 def openai_error(status: int, message: str, param: str | None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": param,
                                    "code": None}}, status_code=status)
+
+
+class BadRequest(Exception):
+    """A request refused with a 400 in OpenAI's shape: the message, and the field it names (or None)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes | None:
+    """The request's body, or None once it is found to be longer than `max_bytes` (the rest is not read)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        return None
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            return None
+    return bytes(body)
+
+
+def parse_chat_request(body: bytes) -> ChatRequest:
+    """The request a body holds; BadRequest says what is wrong with it (it is run in a thread: a body of a
+    million elements takes a tenth of a second to parse and check)."""
+    try:
+        value = parse_json_text(body.decode("utf-8"))  # invalid JSON, too deeply nested, a lone surrogate
+    except UnicodeDecodeError as error:
+        raise BadRequest(f"the request body is not UTF-8 text ({error.reason} at byte {error.start + 1})") from None
+    except ValueError as error:  # "messages[0].content holds a lone surrogate ...": that field is named
+        raise BadRequest(f"the request body holds {error}" if str(error).startswith("invalid JSON") else str(error),
+                         "messages" if str(error).startswith("messages") else None) from None
+    if not isinstance(value, dict):
+        raise BadRequest(f'the request body must be a JSON object {{"messages": [...], ...}}, not '
+                         f"{type(value).__name__}")
+    try:
+        return ChatRequest.model_validate(value)
+    except ValidationError as error:
+        first = error.errors()[0]
+        field = ".".join(str(part) for part in first["loc"]) or None
+        raise BadRequest(f"{field or 'the request body'}: {first['msg']}", field) from None
 
 
 def plain_messages(messages: list[dict]) -> list[dict]:
@@ -98,9 +143,13 @@ def trained_length(weight_file: Path) -> int | None:
     if not sidecar.is_file():
         return None
     try:
-        return int(json.loads(sidecar.read_text(encoding="utf-8"))["max_seq_len"])
-    except (ValueError, KeyError, TypeError) as error:
+        length = json.loads(sidecar.read_text(encoding="utf-8"))["max_seq_len"]
+    except (ValueError, KeyError, TypeError, RecursionError) as error:
         raise RuntimeError(f'{sidecar} should hold {{"max_seq_len": N}} ({error!r}): fix or delete it') from None
+    if type(length) is not int or length < 1:  # (bool is an int: true is no length)
+        raise RuntimeError(f'{sidecar} holds "max_seq_len": {json.dumps(length)}; it should be the positive whole '
+                           f"number of tokens the model was trained at: fix or delete it")
+    return length
 
 
 # ---- generation, token by token -----------------------------------------------------------------
@@ -217,21 +266,21 @@ def create_app(model: CausalLM, tokenizer: Tokenizer, model_id: str, limits: Lim
     positions = model.config.max_position_embeddings
     decode = chat_encoder(tokenizer).decode
 
-    @app.exception_handler(RequestValidationError)
-    async def bad_request(request: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0]
-        if first["type"] == "json_invalid":
-            return openai_error(400, f"the request body is not valid JSON ({first['ctx']['error']})", None)
-        field = ".".join(str(part) for part in first["loc"][1:]) or None  # loc starts with "body"
-        return openai_error(400, f"{field or 'the request body'}: {first['msg']}", field)
-
     @app.get("/v1/models")
     async def list_models() -> dict:
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "local",
                                             **limits._asdict()}]}
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest, request: Request):
+    async def chat_completions(request: Request):
+        raw = await read_body(request, limits.max_request_bytes)
+        if raw is None:
+            return openai_error(413, f"the request body is longer than this server reads, {limits.max_request_bytes} "
+                                     f"bytes (--max_request_bytes)", None)
+        try:  # in a thread: the event loop goes on answering the other clients meanwhile
+            body = await asyncio.to_thread(parse_chat_request, raw)
+        except BadRequest as error:
+            return openai_error(400, error.message, error.param)
         if body.n != 1:
             return openai_error(400, f"n: {body.n} asked; this server writes one choice per request (n=1): for "
                                      f"several answers, send several requests", "n")
@@ -240,7 +289,7 @@ def create_app(model: CausalLM, tokenizer: Tokenizer, model_id: str, limits: Lim
                                      f"{limits.max_tokens_limit} tokens per reply (--max_tokens_limit)", "max_tokens")
         try:  # the project's one chat template, as in training and eval_model.py; in a thread, as a long
             # prompt takes seconds to tokenize and the other clients are answered meanwhile
-            prompt_ids = await asyncio.to_thread(chat_prompt_ids, tokenizer, plain_messages(body.messages))
+            prompt_ids = await asyncio.to_thread(lambda: chat_prompt_ids(tokenizer, plain_messages(body.messages)))
         except ValueError as error:
             return openai_error(400, f"messages: {error}", "messages")
         if len(prompt_ids) >= positions:
@@ -306,6 +355,18 @@ def create_app(model: CausalLM, tokenizer: Tokenizer, model_id: str, limits: Lim
 
 # ---- command line -------------------------------------------------------------------------------
 
+def flag_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the limits given on the command line, in one line, or None."""
+    if not 1 <= args.max_new_tokens <= args.max_tokens_limit:
+        return f"need 1 <= --max_new_tokens ({args.max_new_tokens}) <= --max_tokens_limit ({args.max_tokens_limit})"
+    # nan compares false with everything, so `<= 0` alone would take it for no limit at all; inf is none either
+    if not (math.isfinite(args.request_time_limit) and args.request_time_limit > 0):
+        return f"--request_time_limit {args.request_time_limit}: give a number of seconds above 0 (default 120)"
+    if args.max_request_bytes < 1:
+        return f"--max_request_bytes {args.max_request_bytes}: give a number of bytes above 0 (default {2**20})"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Serve a model from out/ over the OpenAI chat API")
     add_model_flags(p)  # --weight, --save_dir, --tokenizer_path, the size flags, --device: as eval_model.py
@@ -316,13 +377,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max_tokens_limit", type=int, default=2048, help="the largest max_tokens a request may ask")
     p.add_argument("--request_time_limit", type=float, default=120.0,
                    help="seconds a request may generate; then its reply ends, finish_reason length")
+    p.add_argument("--max_request_bytes", type=int, default=2**20,
+                   help="the longest request body read (default 1 MiB); a longer one gets a 413")
     p.add_argument("--long_prompts", choices=("refuse", "warn"), default="refuse",
                    help="a prompt longer than the model was trained at (out/{weight}.json): refuse it (400) or "
                         "serve it with a warning in the log")
     args = p.parse_args(argv)
-    if not 1 <= args.max_new_tokens <= args.max_tokens_limit or args.request_time_limit <= 0:
-        p.error(f"need 1 <= --max_new_tokens ({args.max_new_tokens}) <= --max_tokens_limit "
-                f"({args.max_tokens_limit}) and --request_time_limit ({args.request_time_limit}) > 0")
+    problem = flag_problem(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2  # an expected error exits 2, as in eval_model.py
     tokenizer = load_tokenizer(args.tokenizer_path)
     try:
         path = find_weight_file(Path(args.save_dir), args.weight, args.hidden_size, args.use_moe)
@@ -331,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, RuntimeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2  # an expected error exits 2, as in eval_model.py
-    limits = Limits(args.max_new_tokens, args.max_tokens_limit, args.request_time_limit, trained, args.long_prompts)
+    limits = Limits(args.max_new_tokens, args.max_tokens_limit, args.request_time_limit, trained, args.long_prompts,
+                    args.max_request_bytes)
     if trained is None:
         print(f"note: no {path.with_suffix('.json').name} beside the weights tells the length the model was trained "
               f"at: prompts are limited only by its {model.config.max_position_embeddings} positions", file=sys.stderr)

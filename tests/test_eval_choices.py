@@ -104,7 +104,7 @@ def test_answer_as_a_letter_is_the_same_item_as_its_index(tmp_path):
     ('{"question": "q?", "choices": ["x"], "answer": 0}', '"choices" must be a list of at least two'),
     ('{"question": "q?", "choices": ["x", ""], "answer": 0}', '"choices" must be a list of at least two non-empty'),
     ('{"question": " ", "choices": ["x", "y"], "answer": 0}', '"question" must be a non-empty string'),
-    ('["q?", ["x", "y"], 0]', "each line must be a JSON object"),
+    ('["q?", ["x", "y"], 0]', "expected a JSON object, got list"),
     ('{"question": "q?", "choices": ["x", "y"], "answer": 0', "Expecting ','"),
 ], ids=["index-too-big", "letter-too-big", "bool", "one-choice", "empty-choice", "blank-question", "not-an-object",
         "broken-json"])
@@ -115,8 +115,8 @@ def test_a_bad_line_exits_2_with_one_line_naming_file_and_line(tmp_path, capsys,
     # The file is read before any model is loaded: --save_dir holds none, and the error is still the file's.
     assert eval_model.main(["--mc_data", str(path), "--save_dir", str(tmp_path), "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and err.startswith(f"error: {path}:3: ") and complaint in err
-    assert err.endswith("fix or remove that line")
+    assert err.count("\n") == 0 and err.startswith(f"error: {path}, line 3: ") and complaint in err
+    assert err.endswith("Fix or delete this line, then start again.")  # as every data file's (dataset/jsonl_file.py)
 
 
 # ---- the scorer ------------------------------------------------------------------------------

@@ -167,7 +167,7 @@ def test_think_text_is_kept_apart_from_the_answer():
 # ---- bad requests, and a client that leaves ----------------------------------------------------
 
 @pytest.mark.parametrize("body, param, words", [
-    (b'{"messages": [', None, "not valid JSON"),
+    (b'{"messages": [', None, "holds invalid JSON"),
     (b'{"messages": []}', "messages", "at least 1 item"),
     (b'{"messages": [{"role": "robot", "content": "hi"}]}', "messages", "unknown role 'robot'"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": "warm"}', "temperature", "valid number"),
@@ -234,7 +234,7 @@ def test_the_limits_are_listed_and_max_tokens_above_the_ceiling_is_refused(serve
     [listed] = client(base).models.list().data
     assert listed.model_extra == {"max_tokens_default": 512, "max_tokens_limit": 30000,
                                   "request_time_limit_s": TIME_LIMIT_S, "trained_max_seq_len": 48,
-                                  "long_prompts": "refuse"}
+                                  "long_prompts": "refuse", "max_request_bytes": 2**20}
     with pytest.raises(BadRequestError) as refused:
         client(base).chat.completions.create(model="full_sft", messages=FROG, max_tokens=30001)
     param, message = refusal(refused.value)
@@ -344,3 +344,86 @@ def test_lora_serves_the_adapted_model_under_its_own_name(tmp_path, monkeypatch)
     assert text != eval_model.generate_text(plain, tokenizer, eval_model.chat_prompt_ids(tokenizer, FROG), 6)
     assert reply["choices"][0]["message"]["content"] == eval_model.answer_from_generation(text)
     assert serve.main([*argv[:-1], "medical"]) == 2  # no such adapter: one line, exit 2, as eval_model.py
+
+
+# ---- what a request may hold, and the flags that bound it (a random tiny model, asked in this process) ------
+
+def tiny_server(tmp_path: Path, monkeypatch, *flags: str):
+    """(exit status, FastAPI test client or None) of main() on a random tiny full_sft in `tmp_path`; its uvicorn.run
+    is replaced by a note of the app."""
+    from fastapi.testclient import TestClient
+
+    import scripts.serve_openai_api as serve
+    from lora_files import tiny_config, write_base
+
+    if not (tmp_path / "full_sft_32.pth").exists():
+        write_base(tmp_path, tiny_config())
+    apps = []
+    monkeypatch.setattr(serve.uvicorn, "run", lambda app, **_: apps.append(app))
+    status = serve.main(["--weight", "full_sft", "--save_dir", str(tmp_path), "--device", "cpu", *flags])
+    return status, TestClient(apps[0]) if apps else None
+
+
+def openai_refusal(response) -> tuple[int, str | None, str]:
+    """(status, param, message) of an answer that must be an error in OpenAI's shape."""
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    return response.status_code, error["param"], error["message"]
+
+
+NESTED = b'{"messages": [{"role": "user", "content": "hi"}], "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+
+
+@pytest.mark.parametrize("body, param, words", [
+    (b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages", "messages[0].content holds a lone "
+                                                                                "surrogate escape (\\ud800)"),
+    (json.dumps({"messages": [{"role": "system", "content": "", "tools": '[{"name": "\\udfff"}]'},
+                              {"role": "user", "content": "hi"}]}).encode(), "messages", "tools[0].name holds a lone"),
+    (NESTED, None, "nested too deeply"),
+    (b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', None, "not UTF-8 text (invalid continuation byte"),
+    (b'[{"role": "user", "content": "hi"}]', None, "must be a JSON object"),
+], ids=["lone-surrogate", "surrogate-in-tools", "nested-100000-deep", "latin-1", "not-an-object"])
+def test_text_that_cannot_be_read_or_tokenized_gets_a_400_in_openai_shape(tmp_path, monkeypatch, body, param, words):
+    status, http = tiny_server(tmp_path, monkeypatch)
+    assert status == 0
+    code, got_param, message = openai_refusal(http.post("/v1/chat/completions", content=body))
+    assert (code, got_param) == (400, param) and words in message, message
+    assert http.post("/v1/chat/completions", json={"messages": FROG, "max_tokens": 2}).status_code == 200
+
+
+def test_a_body_over_max_request_bytes_gets_a_413_naming_the_limit_unread(tmp_path, monkeypatch):
+    status, http = tiny_server(tmp_path, monkeypatch, "--max_request_bytes", "4000")
+    assert status == 0 and http.get("/v1/models").json()["data"][0]["max_request_bytes"] == 4000
+    # Two million elements: parsed, they held the event loop (and every other client) for seconds.
+    huge = json.dumps({"messages": FROG, "x": [0] * 2_000_000}).encode()
+    code, param, message = openai_refusal(http.post("/v1/chat/completions", content=huge))
+    assert code == 413 and param is None and "4000 bytes (--max_request_bytes)" in message
+    fits = json.dumps({"messages": FROG, "max_tokens": 2, "x": "a" * 3000}).encode()
+    assert http.post("/v1/chat/completions", content=fits).status_code == 200
+    assert http.post("/v1/chat/completions", content=fits + b" " * 1000).status_code == 413
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--request_time_limit", "nan"], "--request_time_limit nan: give a number of seconds above 0"),
+    (["--request_time_limit", "inf"], "--request_time_limit inf: give a number of seconds above 0"),
+    (["--request_time_limit", "-1"], "--request_time_limit -1.0: give a number of seconds above 0"),
+    (["--max_request_bytes", "0"], "--max_request_bytes 0: give a number of bytes above 0"),
+])
+def test_a_time_or_size_limit_that_limits_nothing_is_refused_in_one_line(tmp_path, monkeypatch, capsys, flags, words):
+    status, http = tiny_server(tmp_path, monkeypatch, *flags)
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and http is None and err == f"error: {words} (default {'120' if 'time' in words else 2**20})"
+
+
+@pytest.mark.parametrize("length", ["-5", "0", "true", "48.5", '"48"'])
+def test_a_trained_length_file_without_a_positive_length_is_refused_in_one_line(tmp_path, monkeypatch, capsys,
+                                                                                length):
+    from lora_files import tiny_config, write_base
+
+    write_base(tmp_path, tiny_config())
+    (tmp_path / "full_sft_32.json").write_text(f'{{"max_seq_len": {length}}}', encoding="utf-8")
+    status, http = tiny_server(tmp_path, monkeypatch)
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert status == 2 and http is None
+    sidecar = tmp_path / "full_sft_32.json"
+    assert err.startswith(f'error: {sidecar} holds "max_seq_len": ') and "positive whole number" in err, err

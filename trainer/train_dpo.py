@@ -191,8 +191,9 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
         save_now = at.global_step % args.save_interval == 0 or at.samples_consumed == 0 or last
         if log_now or validate or save_now:  # the host waits for the device here only, as for minimind's loss.item()
             metrics = judge.settle()  # the steps since the last wait, judged in order: Rollback, AnomalyStop raise
-        if log_now:
-            tracker.log(metrics, at.global_step, total_steps(at, n, global_batch, args.epochs))
+        if log_now:  # dpo: and how many pairs of this step's batch train nothing, their prompts filling max_seq_len
+            tracker.log({**metrics, "pairs_beyond_max_seq_len": train_ds.count_beyond(sampler.step_window(s))},  # dpo
+                        at.global_step, total_steps(at, n, global_batch, args.epochs))  # dpo
         if validate:
             tracker.preference_validation(at.global_step, *preference_validation(  # dpo: the DPO validation_loss(
                 unwrap(model), ref_model, val_ds, args.batch_size, dist_info.device, autocast, args.beta))  # dpo
@@ -220,8 +221,8 @@ def main() -> None:
 
     # ---- 3. Data and batch geometry: the files are indexed and checked before any training ------
     tokenizer = load_tokenizer(args.tokenizer_path)
-    train_ds = DPODataset(args.data_path, tokenizer, args.max_seq_len)  # dpo
-    val_ds = DPODataset(args.val_data, tokenizer, args.max_seq_len) if args.val_data else None  # dpo
+    train_ds = DPODataset(args.data_path, tokenizer, args.max_seq_len, log)  # dpo: says pairs beyond max_seq_len
+    val_ds = DPODataset(args.val_data, tokenizer, args.max_seq_len, log) if args.val_data else None  # dpo
     n = len(train_ds)
     accumulation, global_batch = resolve_accumulation(args.batch_size, world_size, args.accumulation_steps,
                                                       args.global_batch_size)
