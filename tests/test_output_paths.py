@@ -1,4 +1,4 @@
-"""Every path the trainer writes is looked at (lstat) before it is opened (trainer/hardening/durable_files.py):
+"""Every path the trainer writes is looked at (lstat) before it is opened (output_paths.py):
 a FIFO, a device, a folder, or, for a file the trainer appends to (metrics, trace), a symbolic link is one
 line and exit 2, with nothing written through it and nothing waiting for a reader. A file replaced atomically
 (checkpoints, manifests, the status file, the out/ weights) may be a link: the rename replaces the link,
@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PRETRAIN_RUN, run_args, train
-from trainer.hardening.durable_files import (OutputPathError, atomic_write_text, open_to_append, output_problem,
-                                             temp_path)
+from output_paths import OutputPathError, atomic_write_text, open_to_append, output_problem, temp_path
 from trainer.hardening.resume_checks import ConfigError
 from trainer.hardening.run_lock import read_lock
 from trainer.hardening.tracking import trace_problem
