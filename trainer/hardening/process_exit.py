@@ -18,12 +18,13 @@ from dataset.jsonl_file import DataFileError
 from output_paths import OutputPathError
 from trainer.hardening.anomaly import AnomalyStop
 from trainer.hardening.durable_files import CheckpointError
+from trainer.hardening.elastic_store import GroupSetupError
 from trainer.hardening.resume_checks import ConfigError
 from trainer.hardening.run_lock import LockLost, lock_lost, release_held
 
 # What a user can cause and fix (bad data, a missing file, flags or a checkpoint that do not fit):
 # one message and exit code 2, not a traceback. Anything else is a bug and keeps its traceback.
-EXPECTED_ERRORS = (FileNotFoundError, DataFileError, ConfigError, CheckpointError, OutputPathError)
+EXPECTED_ERRORS = (FileNotFoundError, DataFileError, ConfigError, CheckpointError, OutputPathError, GroupSetupError)
 
 
 def run_script(main: Callable[[], None]) -> None:
