@@ -137,7 +137,8 @@ def adapter_shape(adapter: dict[str, torch.Tensor]) -> tuple[int, list[str]]:
 
 
 def load_lora(model: nn.Module, path: str | Path) -> dict:
-    """Put the adapter file `path` onto `model` (a CausalLM); returns its settings. An adapter trained on
+    """Put the adapter file `path` onto `model` (a CausalLM); returns its settings, with the rank and targets
+    applied (read off the tensors, whatever its .json says). An adapter trained on
     another base (another hidden size, another number of layers) is refused in one line (ValueError)."""
     adapter, settings = read_adapter(path)
     rank, targets = adapter_shape(adapter)
@@ -154,7 +155,8 @@ def load_lora(model: nn.Module, path: str | Path) -> dict:
                          f"hidden_size {model.config.hidden_size} and {model.config.num_hidden_layers} layers); "
                          f"load it onto the weights it was trained from ({settings.get('base_file', 'see its .json')})")
     adapter_of(model).load_state_dict(adapter, strict=True)
-    return settings
+    # What was applied, read off the tensors, over what the .json claims: a log line shows the rank in use.
+    return {**settings, "lora_rank": rank, "lora_targets": ",".join(targets)}
 
 
 def _shape(shapes: dict, name: str) -> str:
