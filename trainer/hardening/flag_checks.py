@@ -255,6 +255,7 @@ TRAINING_BYTES_PER_PARAMETER = 16
 DEFAULT_SIZES = {"hidden_size": LMConfig.hidden_size, "num_hidden_layers": LMConfig.num_hidden_layers,
                  "num_attention_heads": LMConfig.num_attention_heads,
                  "num_key_value_heads": LMConfig.num_key_value_heads, "num_experts": LMConfig.num_experts}
+DEFAULT_LORA_RANK = 8  # train_lora.py's --lora_rank
 
 
 def parameter_count(vocab_size: int, hidden_size: int, num_hidden_layers: int, num_attention_heads: int,
@@ -279,25 +280,49 @@ def config_parameters(config: LMConfig, **changed) -> int:
     return parameter_count(**{**sizes, **changed})
 
 
+def lora_parameters(config: LMConfig, rank: int, targets: list[str]) -> int:
+    """The parameters LoRA adds (model/lora.py): A (rank x in) and B (out x rank) on each target linear layer of
+    every layer, of every expert for the MLP's under MoE. Python's integers: --lora_rank 10**9 does not overflow."""
+    head_dim = config.hidden_size // config.num_attention_heads
+    q, kv, hidden, width = (config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim,
+                            config.hidden_size, config.intermediate_size)
+    in_out = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+              "gate_proj": (hidden, width), "up_proj": (hidden, width), "down_proj": (width, hidden)}
+    copies = {name: config.num_experts if config.use_moe and name in ("gate_proj", "up_proj", "down_proj") else 1
+              for name in in_out}
+    return config.num_hidden_layers * sum(rank * sum(in_out[t]) * copies[t] for t in targets if t in in_out)
+
+
+def stage_parameters(config: LMConfig, args: argparse.Namespace, **changed) -> int:
+    """config_parameters(config, **changed) and what the stage adds to it: LoRA's adapters (--lora_rank, which
+    `changed` may set too)."""
+    rank = changed.pop("lora_rank", getattr(args, "lora_rank", None))
+    adapters = lora_parameters(config, rank, args.lora_targets.split(",")) if rank else 0
+    return config_parameters(config, **changed) + adapters
+
+
 def check_fits_in_memory(config: LMConfig, args: argparse.Namespace) -> None:
     """Refuse a model whose weights, gradients and AdamW state cannot fit in the device's memory (under --parallel
-    fsdp, a rank's share), naming the size flag that grows it most: not an allocator's traceback later."""
+    fsdp, a rank's share), naming the size flag that grows it most: not an allocator's traceback later. Every
+    size counts, the stage's own too (LoRA's --lora_rank)."""
     device = torch.device(args.device)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     shards = world_size if args.parallel == "fsdp" else 1  # fsdp: each rank keeps 1/world_size of everything
-    parameters = config_parameters(config)
+    parameters = stage_parameters(config, args)
     needed = parameters * TRAINING_BYTES_PER_PARAMETER // shards
     if device.type != "cuda":  # the ranks of a node share its memory (torchrun's LOCAL_WORLD_SIZE)
         needed *= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     available, where = available_memory(device)
     if needed <= available:
         return
-    defaults = {**DEFAULT_SIZES, "intermediate_size": default_intermediate_size(config.hidden_size)}
-    given = [flag for flag in defaults if getattr(args, flag) is not None]  # (the scripts give --hidden_size always)
+    defaults = {**DEFAULT_SIZES, "intermediate_size": default_intermediate_size(config.hidden_size),
+                "lora_rank": DEFAULT_LORA_RANK}
+    given = [flag for flag in defaults if getattr(args, flag, None) is not None]  # (--hidden_size is always given)
     # The flag whose value grows the model most: put back at its default, it shrinks the count the most.
-    culprit = max(given, key=lambda flag: parameters / config_parameters(config, **{flag: defaults[flag]}))
+    culprit = max(given, key=lambda flag: parameters / stage_parameters(config, args, **{flag: defaults[flag]}))
     share = f", 1/{shards} of it on each of {shards} ranks (--parallel fsdp)" if shards > 1 else ""
-    raise ConfigError(f"--{culprit} {getattr(args, culprit)}: the model would have {parameters / 1e6:,.1f}M "
+    model = "the model and its LoRA adapters" if getattr(args, "lora_rank", None) else "the model"
+    raise ConfigError(f"--{culprit} {getattr(args, culprit)}: {model} would have {parameters / 1e6:,.1f}M "
                       f"parameters, and training them needs at least {gib(needed)} ({TRAINING_BYTES_PER_PARAMETER} "
                       f"bytes a parameter: fp32 weights and gradients, AdamW's two moments{share}), but {where}; "
                       f"lower --{culprit}")
