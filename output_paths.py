@@ -82,8 +82,20 @@ def check_user_output(path: Path, force: bool, inputs: Iterable[Path] = (), flag
             raise OutputPathError(f"{path} is this program's input ({source}); writing it would destroy what it "
                                   f"reads, so it was left as it is: give another output name")
     if not force:
-        raise OutputPathError(f"{path} exists and was left as it is: pass {flag} to replace it, or give another "
-                              f"name")
+        raise OutputPathError(f"{path} exists: pass {flag} to replace it, or give another name (it was left as "
+                              f"it is)")
+
+
+def check_output_folder(out_dir: Path, names: Iterable[str], overwrite: bool, inputs: Iterable[Path] = ()) -> None:
+    """Raise OutputPathError, in one line, before anything is written, unless `out_dir` can take the files
+    `names`: a folder (or nothing yet) where each name is free, or a file (a link too) that `overwrite` allows;
+    never a folder or FIFO where a file goes, never one of `inputs` (check_user_output)."""
+    inputs = list(inputs)
+    if os.path.lexists(out_dir) and not out_dir.is_dir():  # is_dir follows a link: a link to a folder is a folder
+        raise OutputPathError(f"{out_dir} is a file, not a folder: the export writes a folder of files there; "
+                              f"give a folder name")
+    for name in names:
+        check_user_output(out_dir / name, overwrite, inputs)
 
 
 def _same_file(a: Path, b: Path) -> bool:
