@@ -23,7 +23,8 @@ import torch.distributed as dist
 from model.lora import LORA_TARGETS
 from model.model import LMConfig, default_intermediate_size
 from trainer.hardening.anomaly import parse_injection
-from trainer.hardening.checkpoint_io import HISTORY_NAME
+from trainer.hardening.checkpoint_io import HISTORY_NAME, RunFiles
+from trainer.hardening.metrics_files import metrics_path, status_path
 from trainer.hardening.resume_checks import ConfigError
 
 MAX_POSITIONS = LMConfig.max_position_embeddings  # the rotary table's length: no window may be longer
@@ -90,6 +91,7 @@ def check_flags(args: argparse.Namespace) -> argparse.Namespace:
     check_model_shape(args)
     check_paths(args)
     check_names(args)
+    check_outputs_are_not_inputs(args)
     check_device(args.device)
     unknown = [name for name in args.logger.split(",") if name and name not in LOGGERS]
     if unknown:  # a typo would silently drop that output
@@ -168,6 +170,56 @@ def check_paths(args: argparse.Namespace) -> None:
         if path.is_dir():
             raise ConfigError(f"--save_debug_train_output {path} is a directory: give the path of a file")
         check_can_be_made("save_debug_train_output", path, path.parent)
+
+
+def run_outputs(args: argparse.Namespace) -> dict[str, Path]:
+    """What the run writes, by what it is: the out/ weights and their settings, the Hugging Face export folder,
+    the checkpoint files and history folder, the metrics, status and trace files (named as trainer_utils.run_name
+    and the modules that write them name them)."""
+    name = f"{args.save_weight}_{args.hidden_size}{'_moe' if args.use_moe else ''}"
+    out, files, metrics_dir = Path(args.save_dir), RunFiles(Path(args.checkpoint_dir), name), args.metrics_dir
+    written = {"its weights": out / f"{name}.pth", "their settings": out / f"{name}.json",
+               "its Hugging Face export (--save_hf)": out / f"{name}_hf", "its resume file": files.resume_link,
+               "its latest pointer": files.latest_pointer, "its checkpoint history": files.history_dir,
+               "its metrics": metrics_path(metrics_dir or out, name), "its status": status_path(metrics_dir or out, name)}
+    if args.save_debug_train_output is not None:
+        written["its trace (--save_debug_train_output)"] = Path(args.save_debug_train_output)
+    return written
+
+
+def run_inputs(args: argparse.Namespace) -> dict[str, Path]:
+    """What the run reads, by flag: the data, the tokenizer, and --from_weight's file (LoRA's base, DPO's
+    start and reference)."""
+    read = {f"--{flag}": Path(getattr(args, flag)) for flag in ("data_path", "val_data", "tokenizer_path")
+            if getattr(args, flag, None) is not None}
+    if getattr(args, "from_weight", "none") != "none":
+        stem = f"{args.hidden_size}{'_moe' if args.use_moe else ''}"
+        read["--from_weight"] = Path(args.save_dir) / f"{args.from_weight}_{stem}.pth"
+    return read
+
+
+def check_outputs_are_not_inputs(args: argparse.Namespace) -> None:
+    """No file the run writes is one it reads (the same path, a link to it, or inside a folder the run writes):
+    with --save_weight equal to --from_weight, DPO's first save replaced the SFT model that is its start and its
+    reference. Refused here, in one line, before anything is read or written."""
+    written = run_outputs(args)
+    for flag, source in run_inputs(args).items():
+        for what, target in written.items():
+            if _same_or_inside(source, target):
+                raise ConfigError(f"{flag} {source}: this run writes {what} at {target}, over a file it reads; "
+                                  f"choose another --save_weight (or --save_dir, --checkpoint_dir, --metrics_dir)"
+                                  + (f" than --from_weight {args.from_weight}" if flag == "--from_weight" else ""))
+
+
+def _same_or_inside(source: Path, target: Path) -> bool:
+    """Whether `source` is `target`, or lies in the folder `target` (names resolved: links and `..` followed)."""
+    try:
+        if os.path.lexists(source) and os.path.lexists(target) and os.path.samefile(source, target):
+            return True
+    except OSError:  # a broken link: compare the names below
+        pass
+    source, target = source.resolve(), target.resolve()
+    return source == target or target in source.parents
 
 
 def check_can_be_made(flag: str, value: str | Path, directory: Path) -> None:
