@@ -226,3 +226,21 @@ def test_workers_whose_torchrun_was_killed_at_start_give_up_at_the_setup_timeout
     for rank in (0, 1):
         assert f"error: rank {rank}: torchrun's store at " in text, text[-3000:]
     assert "Traceback" not in text and "frame #" not in text, text[-3000:]
+
+
+def test_a_store_lost_while_the_group_is_set_up_is_one_line_naming_the_rank(monkeypatch, capsys):
+    # torchrun killed after its workers reached the store, before init_process_group read the peers' addresses
+    # there: the store client's DistNetworkError (here: nobody serves the port) was a traceback.
+    import torch.distributed as dist
+    from datetime import timedelta
+    from trainer.hardening.process_exit import run_script
+    monkeypatch.setenv("RANK", "1")
+
+    def main() -> None:
+        dist.TCPStore("127.0.0.1", free_port(), 2, False, timedelta(seconds=1))
+
+    with pytest.raises(SystemExit) as exited:
+        run_script(main)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: rank 1: gave up setting up the process group: "), err

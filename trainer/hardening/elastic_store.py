@@ -54,9 +54,20 @@ def attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
     try:
         return _attempt_store(rank, world_size, deadline)
     except dist.DistError as error:  # the store went away, or an answer did not come within the deadline
-        cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise GroupSetupError(f"rank {rank}: gave up setting up the process group: {cause} (was torchrun "
-                              f"killed? this process is left without its launcher)") from None
+        raise setup_failed(error) from None
+
+
+def setup_lost_its_store(error: BaseException) -> bool:
+    """Whether `error` is torchrun's store lost while the process group was being set up (init_process_group
+    reads the peers' addresses there): a DistNetworkError before the group exists."""
+    return isinstance(error, dist.DistNetworkError) and not dist.is_initialized()
+
+
+def setup_failed(error: BaseException) -> GroupSetupError:
+    """The one line for a store error while setting up the group, naming this rank."""
+    cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return GroupSetupError(f"rank {os.environ.get('RANK', 0)}: gave up setting up the process group: {cause} (was "
+                           f"torchrun killed? this process is left without its launcher)")
 
 
 def wait_for_store(rank: int, deadline: float) -> None:
