@@ -5,8 +5,9 @@ later or a run that trains silently wrong. Defaults that depend on other flags a
 It runs in parse_args, before the process group exists: under torchrun every rank meets the same bad
 flag and prints its own line (run_script), and no rank is left waiting for another in a collective.
 The names that become file names (--save_weight, --run_name, --from_weight) are plain names that fit
-the file system. One check runs later, once the tokenizer gives the vocabulary: a model whose weights,
-gradients and AdamW state cannot fit in the device's memory is refused (check_fits_in_memory, called by
+the file system, and no file the run writes is one it reads (check_outputs_are_not_inputs). One check runs
+later, once the tokenizer gives the vocabulary: a model whose weights, gradients and AdamW state (a LoRA
+stage's adapters included) cannot fit in the device's memory is refused (check_fits_in_memory, called by
 trainer_utils.model_config), before anything is allocated.
 """
 
