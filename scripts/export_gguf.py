@@ -183,6 +183,8 @@ def export_gguf(source: Path, out: Path, tokenizer_path: Path | None = None, qty
         requested = {"num_experts_per_tok": num_experts_per_tok}  # the one size no tensor records
         state_dict, cfg = load_project_weights(source, requested)
         tokenizer_path = tokenizer_path or DEFAULT_TOKENIZER
+    elif source.exists():  # a FIFO or a device: named, never opened (a read would wait for a writer)
+        raise ValueError(f"{source} is not a regular file: pass an out/*.pth file or a folder from scripts/export_hf.py")
     else:
         raise FileNotFoundError(f"{source} not found: pass an out/*.pth file or a folder from scripts/export_hf.py")
     if not tokenizer_path.is_file():

@@ -299,3 +299,6 @@ def test_a_link_at_the_old_temp_name_is_never_followed_and_force_never_replaces_
     with fails_after(20):
         code, _, err = export(source, "--out", fifo, "--force")
     assert code == 2 and f"{fifo} is a FIFO" in err and err.count("\n") == 1, err
+    with fails_after(20):
+        code, _, err = export(fifo, "--out", tmp_path / "from_a_fifo.gguf")
+    assert code == 2 and f"{fifo} is not a regular file" in err and err.count("\n") == 1, err
