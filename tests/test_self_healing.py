@@ -215,14 +215,14 @@ def test_workers_whose_torchrun_was_killed_at_start_give_up_at_the_setup_timeout
         launcher.kill()  # before the workers, still importing torch, reach the store it served
         launcher.wait()
         orphaned = time.time()
-        while any(alive(pid) for pid in workers) and time.time() - orphaned < 60:
+        while any(alive(pid) for pid in workers) and time.time() - orphaned < 90:
             time.sleep(0.2)
     seconds, survivors = time.time() - orphaned, [pid for pid in workers if alive(pid)]
     for pid in survivors:  # a failed test leaves no orphan behind
         os.kill(pid, signal.SIGKILL)
-    assert not survivors, "the orphaned workers were still running after 60 s"
+    assert not survivors, "the orphaned workers were still running after 90 s"
     text = (tmp_path / "output.txt").read_text()
-    assert seconds < timeout_s + 20, f"the orphaned workers took {seconds:.0f} s to give up"  # start-up included
+    assert seconds < timeout_s + 45, f"the orphaned workers took {seconds:.0f} s to give up"  # start-up on a busy machine
     for rank in (0, 1):
         assert f"error: rank {rank}: torchrun's store at " in text, text[-3000:]
     assert "Traceback" not in text and "frame #" not in text, text[-3000:]
