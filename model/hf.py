@@ -15,9 +15,10 @@ out/*.pth file, ours or minimind's, loads with no size flags in eval_model.py, t
 """
 
 import json
+import os
 import pickle
 import re
-import shutil
+import stat
 from pathlib import Path
 from typing import NamedTuple
 
@@ -28,8 +29,24 @@ from tokenizers import Tokenizer
 from model.chat_template import CHAT_TEMPLATE  # the training format, for apply_chat_template
 from model.model import CausalLM, LMConfig
 from model.tokenizer import BOS_ID, BOS_TOKEN, DEFAULT_TOKENIZER, EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS
+from output_paths import atomic_write_bytes, atomic_write_text, check_output_folder
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+HF_FILES = ("model.safetensors", "config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json")
+GGUF_MAGIC = b"GGUF"  # the first four bytes of a llama.cpp file
+
+
+def check_regular_file(path: Path, what: str) -> None:
+    """Raise ValueError, in one line, unless `path` is a regular file (a link to one is): a folder or a FIFO is
+    named, never opened (reading a FIFO waits for a writer)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} not found: expected {what}") from None
+    if stat.S_ISDIR(mode):
+        raise ValueError(f"{path} is a folder, not {what}")
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{path} is not a regular file (a FIFO or a device), not {what}")
 
 def check_state_dict(state_dict: dict[str, torch.Tensor], lm_config: LMConfig,
                      source: str = "the state dict") -> None:
@@ -142,14 +159,19 @@ def export_hf(
     out_dir: str | Path,
     tokenizer_path: str | Path = DEFAULT_TOKENIZER,
     dtype: torch.dtype = torch.float16,
+    overwrite: bool = True,
 ) -> Path:
-    """Write a Hugging Face model directory for `state_dict` (our names, any dtype); returns it."""
+    """Write a Hugging Face model directory for `state_dict` (our names, any dtype); returns it. Each file goes
+    through output_paths.atomic_write (a link there is replaced, never written through; a folder or FIFO there
+    is refused); with `overwrite` False, a file already there is refused too, before anything is written."""
     check_state_dict(state_dict, lm_config)
     tokenizer_path = Path(tokenizer_path)
     if not tokenizer_path.is_file():
         raise FileNotFoundError(f"tokenizer not found: {tokenizer_path} (train one or pass --tokenizer)")
     check_tokenizer(tokenizer_path, lm_config)
     out_dir = Path(out_dir)
+    check_output_folder(out_dir, HF_FILES, overwrite, inputs=[tokenizer_path])
+    tokenizer_bytes = tokenizer_path.read_bytes()
     out_dir.mkdir(parents=True, exist_ok=True)
 
     # safetensors refuses tensors that share memory. For a tied model transformers itself saves only
@@ -159,9 +181,9 @@ def export_hf(
         for name, t in state_dict.items()
         if not (lm_config.tie_word_embeddings and name == "lm_head.weight")
     }
-    # The bytes through a plain open(), as the other files: save_file writes a 0600 temp file and renames it,
+    # The bytes through our own temp file, as the other files: save_file writes a 0600 temp file and renames it,
     # so a team sharing the directory could read everything but the weights. Costs one copy of them in memory.
-    (out_dir / "model.safetensors").write_bytes(save(tensors, metadata={"format": "pt"}))
+    atomic_write_bytes(out_dir / "model.safetensors", save(tensors, metadata={"format": "pt"}))
 
     generation = {
         "bos_token_id": BOS_ID,
@@ -171,17 +193,52 @@ def export_hf(
     write_json(out_dir / "config.json", hf_config(lm_config, dtype))
     write_json(out_dir / "generation_config.json", generation)
     write_json(out_dir / "tokenizer_config.json", tokenizer_config(lm_config))
-    shutil.copyfile(tokenizer_path, out_dir / "tokenizer.json")
+    atomic_write_bytes(out_dir / "tokenizer.json", tokenizer_bytes)
     return out_dir
 
 
 def import_hf(hf_dir: str | Path) -> tuple[dict[str, torch.Tensor], LMConfig]:
-    """Read a Qwen3 / Qwen3-MoE directory (single model.safetensors) back into our names and config."""
+    """Read a Qwen3 / Qwen3-MoE directory (single model.safetensors) back into our names and config. What is
+    not such a folder is a ValueError (FileNotFoundError for a missing file) in one line naming the file."""
     hf_dir = Path(hf_dir)
-    config = json.loads((hf_dir / "config.json").read_text())
+    if not hf_dir.is_dir():
+        raise ValueError(f"{hf_dir} is not a folder: --reverse imports a Hugging Face model folder (config.json, "
+                         f"model.safetensors)")
+    config_file = hf_dir / "config.json"
+    check_regular_file(config_file, "a model's config.json")
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as error:  # not JSON, not UTF-8, unreadable
+        raise ValueError(f"{config_file}: not a readable JSON file ({error})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_file}: holds a JSON {type(config).__name__}, not an object of settings")
+    try:
+        lm_config = _lm_config_of(config, config_file)
+    except KeyError as error:
+        raise ValueError(f"{config_file} has no {error.args[0]!r}, which a Qwen3 config.json has; export the model "
+                         f"again, or add the key") from None
+    except (TypeError, ValueError, AttributeError) as error:  # a value of the wrong kind (a string for a size)
+        raise ValueError(f"{config_file}: a setting has a value of the wrong kind ({error})") from None
+
+    weights_file = hf_dir / "model.safetensors"
+    if not os.path.lexists(weights_file):
+        raise FileNotFoundError(f"{weights_file} not found (sharded checkpoints are not supported)")
+    check_regular_file(weights_file, "safetensors weights")
+    try:
+        state_dict = load_file(weights_file)
+    except Exception as error:  # safetensors raises its own SafetensorError (and OSError) for a file it cannot read
+        raise ValueError(f"{weights_file}: not readable as safetensors ({error})") from None
+    if lm_config.tie_word_embeddings and "model.embed_tokens.weight" in state_dict:
+        state_dict["lm_head.weight"] = state_dict["model.embed_tokens.weight"]
+    check_state_dict(state_dict, lm_config, str(weights_file))
+    return state_dict, lm_config
+
+
+def _lm_config_of(config: dict, config_file: Path) -> LMConfig:
+    """The LMConfig a Qwen3 / Qwen3-MoE config.json describes (KeyError for a key it lacks)."""
     model_type = config.get("model_type")
     if model_type not in ("qwen3", "qwen3_moe"):
-        raise ValueError(f"only qwen3 and qwen3_moe models can be imported, this one is {model_type!r}")
+        raise ValueError(f"{config_file}: only qwen3 and qwen3_moe models can be imported, this one is {model_type!r}")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     unsupported = {
         "attention_bias": config.get("attention_bias", False),
@@ -194,7 +251,7 @@ def import_hf(hf_dir: str | Path) -> tuple[dict[str, torch.Tensor], LMConfig]:
     }
     if any(unsupported.values()):
         lacking = ", ".join(name for name, used in unsupported.items() if used)
-        raise ValueError(f"this model uses features our CausalLM lacks: {lacking}")
+        raise ValueError(f"{config_file}: this model uses features our CausalLM lacks: {lacking}")
 
     fields = dict(
         vocab_size=config["vocab_size"],
@@ -217,20 +274,11 @@ def import_hf(hf_dir: str | Path) -> tuple[dict[str, torch.Tensor], LMConfig]:
             moe_intermediate_size=config["moe_intermediate_size"],
             aux_loss_coef=config.get("router_aux_loss_coef", 0.01),
         )
-    lm_config = LMConfig(**fields)
-
-    weights_file = hf_dir / "model.safetensors"
-    if not weights_file.is_file():
-        raise FileNotFoundError(f"{weights_file} not found (sharded checkpoints are not supported)")
-    state_dict = load_file(weights_file)
-    if lm_config.tie_word_embeddings:
-        state_dict["lm_head.weight"] = state_dict["model.embed_tokens.weight"]
-    check_state_dict(state_dict, lm_config)
-    return state_dict, lm_config
+    return LMConfig(**fields)
 
 
 def write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    atomic_write_text(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
 
 # ---- sizes from weights -----------------------------------------------------------------------
@@ -357,11 +405,7 @@ def load_project_weights(path: str | Path, requested: dict,
     saved config (top-k included) is what they are checked against there.
     """
     _check_size_names(requested)
-    try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as error:  # torch's message goes on to suggest loading it unsafely
-        raise ValueError(f"{path} refused: it holds pickled objects other than tensors and plain types, so "
-                         f"loading it could run code; export the weights as a plain state dict") from error
+    saved = _load_weights_file(Path(path))
     if isinstance(saved, dict) and isinstance(saved.get("model"), dict) and "lm_config" in saved:
         lm_config = LMConfig.from_dict(saved["lm_config"])
         stored = lm_config.to_dict()
@@ -377,6 +421,32 @@ def load_project_weights(path: str | Path, requested: dict,
         return saved, config_from_weights(saved, requested, tokenizer_vocab_size, str(path))
     keys = sorted(saved)[:8] if isinstance(saved, dict) else type(saved).__name__
     raise ValueError(f"{path} is neither a state dict of tensors nor a resume file (it holds {keys})")
+
+
+def _load_weights_file(path: Path):
+    """torch.load(path, weights_only=True), or a ValueError in one line naming the file and what it is instead: a
+    folder, a FIFO (never opened), a GGUF file, text or any other bytes torch cannot read."""
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder, not a weights file (an out/*.pth or *_resume.pth); a Hugging Face "
+                         f"model folder is imported with scripts/export_hf.py --reverse")
+    check_regular_file(path, "a weights file (an out/*.pth or *_resume.pth)")
+    with open(path, "rb") as f:
+        magic = f.read(len(GGUF_MAGIC))
+    if magic == GGUF_MAGIC:
+        raise ValueError(f"{path} is a GGUF file (llama.cpp's format), not PyTorch weights: give the out/*.pth or "
+                         f"Hugging Face folder it was exported from")
+    if not magic.startswith((b"PK\x03\x04", b"\x80")):  # torch.save's zip, or an old-style pickle (protocol >= 2)
+        raise ValueError(f"{path} is not a PyTorch weights file (it starts with {magic!r}, not a zip or a pickle): "
+                         f"give an out/*.pth or *_resume.pth")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:  # torch's message goes on to suggest loading it unsafely
+        raise ValueError(f"{path} refused: it holds pickled objects other than tensors and plain types, so "
+                         f"loading it could run code; export the weights as a plain state dict") from error
+    except Exception as error:  # text, a truncated zip, other bytes: torch's KeyError / IndexError / RuntimeError
+        lines = str(error).strip().splitlines()
+        raise ValueError(f"{path} is not a PyTorch weights file torch.load can read ({type(error).__name__}"
+                         f"{': ' + lines[0] if lines else ''})") from None
 
 
 def _check_size_names(requested: dict) -> None:

@@ -29,8 +29,11 @@ import torch.nn.functional as F
 from safetensors.torch import save
 from torch import nn
 
+from output_paths import atomic_write_bytes, atomic_write_text, check_output_folder
+
 # The linear layers of model.py's decoder layer: attention's four projections and SwiGLU's three.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PEFT_FILES = ("adapter_model.safetensors", "adapter_config.json")  # what export_peft writes
 
 
 class LoRALinear(nn.Module):
@@ -96,6 +99,10 @@ def read_adapter(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
         adapter = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
         raise ValueError(f"{path} holds pickled objects other than tensors: not an adapter file") from None
+    except (FileNotFoundError, IsADirectoryError):
+        raise
+    except Exception as error:  # text, a GGUF, a truncated file: torch's KeyError / IndexError / RuntimeError
+        raise ValueError(f"{path} is not an adapter file torch.load can read ({type(error).__name__})") from None
     if not (isinstance(adapter, dict) and adapter and all(".lora_" in k for k in adapter)):
         raise ValueError(f"{path} is not a LoRA adapter (expected only '...lora_A.weight' and '...lora_B.weight' "
                          f"tensors, as trainer/train_lora.py writes)")
@@ -137,7 +144,8 @@ def adapter_shape(adapter: dict[str, torch.Tensor]) -> tuple[int, list[str]]:
 
 
 def load_lora(model: nn.Module, path: str | Path) -> dict:
-    """Put the adapter file `path` onto `model` (a CausalLM); returns its settings. An adapter trained on
+    """Put the adapter file `path` onto `model` (a CausalLM); returns its settings, with the rank and targets
+    applied (read off the tensors, whatever its .json says). An adapter trained on
     another base (another hidden size, another number of layers) is refused in one line (ValueError)."""
     adapter, settings = read_adapter(path)
     rank, targets = adapter_shape(adapter)
@@ -154,7 +162,8 @@ def load_lora(model: nn.Module, path: str | Path) -> dict:
                          f"hidden_size {model.config.hidden_size} and {model.config.num_hidden_layers} layers); "
                          f"load it onto the weights it was trained from ({settings.get('base_file', 'see its .json')})")
     adapter_of(model).load_state_dict(adapter, strict=True)
-    return settings
+    # What was applied, read off the tensors, over what the .json claims: a log line shows the rank in use.
+    return {**settings, "lora_rank": rank, "lora_targets": ",".join(targets)}
 
 
 def _shape(shapes: dict, name: str) -> str:
@@ -162,18 +171,20 @@ def _shape(shapes: dict, name: str) -> str:
 
 
 def export_peft(adapter: dict[str, torch.Tensor], settings: dict, out_dir: str | Path,
-                dtype: torch.dtype = torch.float16) -> Path:
+                dtype: torch.dtype = torch.float16, overwrite: bool = True, inputs=()) -> Path:
     """Write the adapter as a PEFT LoRA folder (adapter_config.json, adapter_model.safetensors) for the
     Qwen3ForCausalLM that model/hf.py exports: `PeftModel.from_pretrained(AutoModelForCausalLM
-    .from_pretrained(export_dir), out_dir)`. Our module names are transformers' own; PEFT adds a prefix."""
+    .from_pretrained(export_dir), out_dir)`. Our module names are transformers' own; PEFT adds a prefix.
+    Written as model/hf.py's export_hf writes (output_paths.py's rules; `overwrite` False refuses a file there)."""
     rank, targets = adapter_shape(adapter)
     out_dir = Path(out_dir)
+    check_output_folder(out_dir, PEFT_FILES, overwrite, inputs)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {f"base_model.model.{name}": t.detach().to(dtype).contiguous() for name, t in adapter.items()}
-    (out_dir / "adapter_model.safetensors").write_bytes(save(tensors, metadata={"format": "pt"}))
+    atomic_write_bytes(out_dir / "adapter_model.safetensors", save(tensors, metadata={"format": "pt"}))
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": settings["lora_alpha"],
               "target_modules": targets, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
               "use_rslora": False, "use_dora": False, "modules_to_save": None, "inference_mode": True,
               "base_model_name_or_path": None}
-    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    atomic_write_text(out_dir / "adapter_config.json", json.dumps(config, indent=2) + "\n")
     return out_dir

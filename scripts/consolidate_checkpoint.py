@@ -20,6 +20,7 @@ if __package__ in (None, ""):  # run as a file (python scripts/x.py): make the r
 
 import torch
 
+from output_paths import OutputPathError
 from trainer.hardening import checkpoint_io
 from trainer.hardening.checkpoint_io import CheckpointError
 from trainer.hardening.sharded_checkpoint import consolidate
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint_io.atomic_write_text(checkpoint_io.manifest_path(args.resume_out),
                                             json.dumps(manifest, indent=1) + "\n")
             print(f"wrote {args.resume_out} and its manifest: resume from it with --resume_path {args.resume_out}")
-    except (CheckpointError, OSError) as error:
+    except (CheckpointError, OutputPathError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0

@@ -22,7 +22,6 @@ tests/test_gguf.py runs llama.cpp itself on the files: same token ids, same gree
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -38,6 +37,7 @@ from model.hf import check_tokenizer, import_hf, load_project_weights  # noqa: E
 from model.model import LMConfig  # noqa: E402
 # QWEN2_PATTERN: Qwen2's regex, which llama.cpp runs for tokenizer.ggml.pre = qwen2
 from model.tokenizer import BOS_ID, DEFAULT_TOKENIZER, QWEN2_PATTERN  # noqa: E402
+from output_paths import OutputPathError, check_user_output, written_by_name  # noqa: E402
 
 
 def describe(pre: dict | None) -> str:
@@ -183,6 +183,8 @@ def export_gguf(source: Path, out: Path, tokenizer_path: Path | None = None, qty
         requested = {"num_experts_per_tok": num_experts_per_tok}  # the one size no tensor records
         state_dict, cfg = load_project_weights(source, requested)
         tokenizer_path = tokenizer_path or DEFAULT_TOKENIZER
+    elif source.exists():  # a FIFO or a device: named, never opened (a read would wait for a writer)
+        raise ValueError(f"{source} is not a regular file: pass an out/*.pth file or a folder from scripts/export_hf.py")
     else:
         raise FileNotFoundError(f"{source} not found: pass an out/*.pth file or a folder from scripts/export_hf.py")
     if not tokenizer_path.is_file():
@@ -192,8 +194,9 @@ def export_gguf(source: Path, out: Path, tokenizer_path: Path | None = None, qty
     check_tokenizer(tokenizer_path, cfg)  # special-token ids and size fit the model
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")  # written whole, then renamed: never a half file under `out`
-    try:
+    # Written whole in a folder made for it, then renamed: never a half file under `out`, and never a file opened
+    # by a name known in advance (a link planted at `{out}.tmp` was followed: the GGUF went into the user's file).
+    with written_by_name(out) as tmp:
         writer = gguf.GGUFWriter(str(tmp), "qwen3moe" if cfg.use_moe else "qwen3")
         writer.add_name(source.stem)
         writer.add_file_type({"f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype])
@@ -205,10 +208,14 @@ def export_gguf(source: Path, out: Path, tokenizer_path: Path | None = None, qty
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
     return pre
+
+
+def inputs_of(source: Path, tokenizer: Path | None) -> list[Path]:
+    """Every file the export reads (a folder's config, weights and tokenizer): none may be written over."""
+    files = [source / name for name in ("config.json", "model.safetensors", "tokenizer.json")] if source.is_dir() \
+        else [source]
+    return files + ([tokenizer] if tokenizer else [])
 
 
 def main() -> None:
@@ -227,10 +234,10 @@ def main() -> None:
     try:
         if args.out.is_dir():
             raise ValueError(f"--out {args.out} is a folder: give the file to write, e.g. {args.out / 'model.gguf'}")
-        if args.out.exists() and not args.force:
-            raise ValueError(f"{args.out} exists: pass --force to overwrite it, or choose another --out")
+        # Not over a file without --force, never over its own source (a FIFO or device there is refused at once).
+        check_user_output(args.out, args.force, inputs_of(args.source, args.tokenizer))
         pre = export_gguf(args.source, args.out, args.tokenizer, args.type, args.force_pre, args.num_experts_per_tok)
-    except (ValueError, OSError) as error:  # the user's input, not a bug: one line, no traceback
+    except (ValueError, OSError, OutputPathError) as error:  # the user's input, not a bug: one line, no traceback
         message = "; ".join(line.strip() for line in str(error).splitlines()).replace(":; ", ": ")
         print(f"export_gguf: {message}", file=sys.stderr)
         sys.exit(2)

@@ -17,7 +17,10 @@ Run from the repository root (or as `python scripts/export_hf.py ...` from anywh
     # the reverse: a Hugging Face directory (Qwen3 layout) -> an out/-style FP16 .pth
     python -m scripts.export_hf hf_model --reverse -o out/imported_128.pth
 
-The work is done by model/hf.py; this file is only the command line.
+A file already at the output (or in the output folder) is left as it is unless --force is given, and the
+export never writes over its own input, --force or not; a link there is replaced, never written through,
+and a FIFO or folder where a file goes is refused (the rules of output_paths.py, which the trainer follows
+too). Every error is one line, exit 2. The work is done by model/hf.py; this file is only the command line.
 """
 
 import argparse
@@ -29,10 +32,11 @@ if __package__ in (None, ""):  # run as a file (python scripts/x.py): make the r
 
 import torch
 
-from model.hf import DTYPES, export_hf, import_hf, infer_sizes, load_project_weights, size_flags
-from model.lora import export_peft, load_lora, merged_state_dict, note_if_another_base, read_adapter
+from model.hf import DTYPES, HF_FILES, export_hf, import_hf, infer_sizes, load_project_weights, size_flags
+from model.lora import PEFT_FILES, export_peft, load_lora, merged_state_dict, note_if_another_base, read_adapter
 from model.model import CausalLM, LMConfig
 from model.tokenizer import DEFAULT_TOKENIZER
+from output_paths import OutputPathError, atomic_write, check_output_folder, check_user_output
 
 SIZE_FLAGS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "use_moe", "intermediate_size", "num_experts", "num_experts_per_tok")
@@ -45,6 +49,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=list(DTYPES), default="float16", help="dtype of the exported weights")
     parser.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER), help="tokenizer.json to ship with the model")
     parser.add_argument("--reverse", action="store_true", help="import a Hugging Face directory into an out/-style .pth")
+    parser.add_argument("--force", action="store_true", help="replace files already at --output (never an input)")
     lora = parser.add_mutually_exclusive_group()
     lora.add_argument("--merge_lora", default=None, help="an out/lora_*.pth adapter of `path`: export W + B A · α/r")
     lora.add_argument("--peft_adapter", default=None,
@@ -53,6 +58,25 @@ def build_arg_parser() -> argparse.ArgumentParser:
     for name in SIZE_FLAGS:
         sizes.add_argument(f"--{name}", type=int, default=None, **({"choices": [0, 1]} if name == "use_moe" else {}))
     return parser
+
+
+def inputs_of(args: argparse.Namespace) -> list[Path]:
+    """Every file the command reads: none of them may be written over."""
+    if args.reverse:
+        return [Path(args.path) / name for name in HF_FILES]
+    adapter = args.merge_lora or args.peft_adapter
+    return [Path(args.path), Path(args.tokenizer)] + ([Path(adapter), Path(adapter).with_suffix(".json")]
+                                                      if adapter else [])
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Refuse, before anything is read or written, an output that is taken (without --force), one of the inputs,
+    or the wrong kind of thing (a folder for the .pth, a file for the folder, a FIFO anywhere)."""
+    output, inputs = Path(args.output), inputs_of(args)
+    if args.reverse:
+        check_user_output(output, args.force, inputs)
+    else:
+        check_output_folder(output, PEFT_FILES if args.peft_adapter else HF_FILES, args.force, inputs)
 
 
 def export(args: argparse.Namespace) -> None:
@@ -74,7 +98,7 @@ def export(args: argparse.Namespace) -> None:
             write_peft(args, lm_config, settings)
             return
         state_dict = merged_state_dict(model)
-    out_dir = export_hf(state_dict, lm_config, args.output, args.tokenizer, DTYPES[args.dtype])
+    out_dir = export_hf(state_dict, lm_config, args.output, args.tokenizer, DTYPES[args.dtype], overwrite=args.force)
     print(f"wrote {out_dir}/ ({args.dtype}); try: AutoModelForCausalLM.from_pretrained({str(out_dir)!r})")
 
 
@@ -86,7 +110,8 @@ def write_peft(args: argparse.Namespace, lm_config: LMConfig, settings: dict) ->
                          f"which transformers' Qwen3-MoE keeps fused in one tensor that PEFT's LoRA cannot target; "
                          f"use --merge_lora instead")
     adapter, _ = read_adapter(args.peft_adapter)
-    out_dir = export_peft(adapter, settings, args.output, DTYPES[args.dtype])
+    out_dir = export_peft(adapter, settings, args.output, DTYPES[args.dtype], overwrite=args.force,
+                          inputs=inputs_of(args))
     print(f"wrote {out_dir}/ ({args.dtype}); try: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("
           f"<the export of {args.path}>), {str(out_dir)!r})")
 
@@ -98,7 +123,8 @@ def reverse(args: argparse.Namespace) -> None:
     fp16 = {name: t.half() for name, t in state_dict.items()}
     if lm_config.tie_word_embeddings:  # keep one shared tensor, as the model's own state_dict does
         fp16["lm_head.weight"] = fp16["model.embed_tokens.weight"]
-    torch.save(fp16, output)
+    check_user_output(output, args.force, inputs_of(args))  # again, right before: nothing appeared meanwhile
+    atomic_write(output, lambda f: torch.save(fp16, f))  # a temp file, then a rename: a link there is replaced
     top_k = f"; its MoE top-k is {lm_config.num_experts_per_tok}" if lm_config.use_moe else ""
     print(f"wrote {output} (FP16, {len(fp16)} tensors): {size_flags(infer_sizes(fp16))}{top_k}")
 
@@ -109,13 +135,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.reverse and (args.merge_lora or args.peft_adapter):
         parser.error("--merge_lora and --peft_adapter export an adapter; --reverse imports a model")
     try:
+        check_outputs(args)
         if args.reverse:
             reverse(args)
         else:
             export(args)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+    except (ValueError, OSError, OutputPathError) as error:  # the user's input, not a bug: one line, exit 2
+        message = "; ".join(line.strip() for line in str(error).splitlines() if line.strip()).replace(":; ", ": ")
+        print(f"error: {message}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from conftest import PRETRAIN_RUN, REPO, Lines, assert_exit_code, child_env, run_args, save, small_state, train
+import output_paths
 from trainer.hardening import checkpoint_io as cio, durable_files
 from trainer.hardening.checkpoint_io import CheckpointError, RunFiles
 
@@ -160,14 +161,14 @@ class FullDisk:
 
 def fill_disk_after(monkeypatch, budget: int, only_kind: str) -> None:
     # We cannot fill the test machine's disk, so we fail at the OS boundary instead: the `open` of
-    # durable_files (where atomic_write opens its temp file) returns a file whose write() raises ENOSPC
+    # output_paths (where atomic_write opens its temp file) returns a file whose write() raises ENOSPC
     # once `budget` bytes are in, for temp files of one kind ("NAME.pth.partial-...": the checkpoint
     # data; "NAME.json.partial-...": its manifest).
     # Everything above the write (torch.save, hashing, cleanup, error reporting) runs for real.
     def open_on_a_full_disk(path, mode="r", *args, **kwargs):
         file = open(path, mode, *args, **kwargs)
         return FullDisk(file, budget) if f"{only_kind}.partial-" in Path(path).name else file
-    monkeypatch.setattr(durable_files, "open", open_on_a_full_disk, raising=False)
+    monkeypatch.setattr(output_paths, "open", open_on_a_full_disk, raising=False)
 
 
 def assert_previous_still_in_charge(files: RunFiles, previous: Path) -> None:

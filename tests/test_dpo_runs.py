@@ -132,6 +132,20 @@ def test_bad_flags_and_data_are_one_line_each_with_exit_2(tmp_path, dpo_data):
     assert not (tmp_path / "ckpt").exists()  # refused before anything was trained or saved
 
 
+def test_a_save_weight_equal_to_from_weight_is_refused_before_the_reference_can_be_overwritten(tmp_path, dpo_data):
+    # --save_weight full_sft --from_weight full_sft: the first save replaced the SFT model that is both the start and
+    # the reference (before: exit 0, full_sft_32.pth rewritten, and the printed "To continue" command refused).
+    args = dpo_args(tmp_path, dpo_data, "--save_weight", "full_sft", "--max_steps", "1")
+    reference = tmp_path / "out" / "full_sft_32.pth"
+    before = sha256_of(reference)
+    result = train(SCRIPT, None, args, tmp_path, check=False)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stderr == (f"error: --from_weight {reference}: this run writes its weights at {reference}, over a "
+                             f"file it reads; choose another --save_weight (or --save_dir, --checkpoint_dir, "
+                             f"--metrics_dir) than --from_weight full_sft\n"), result.stderr
+    assert sha256_of(reference) == before and not (tmp_path / "ckpt").exists()
+
+
 @SLOW
 def test_a_resume_on_two_then_three_then_one_rank_trains_each_pair_once(tmp_path, dpo_data):
     # 11 pairs, batch 1: global batches 2, 3 and 1, over 2 epochs.

@@ -17,7 +17,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # 
 from model.model import CausalLM, LMConfig  # noqa: E402
 from model.hf import config_from_weights, export_hf, import_hf  # noqa: E402
 
-from conftest import REPO
+from conftest import REPO  # noqa: E402
+from test_output_paths import USER_BYTES, fails_after  # noqa: E402
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
@@ -140,7 +142,7 @@ def test_cli_checks_size_flags_against_the_file_and_names_both_shapes(tmp_path, 
 
     refused = subprocess.run(export + ["-o", str(tmp_path / "no"), "--intermediate_size", str(width + 64)],
                              cwd=REPO, capture_output=True, text=True)
-    assert refused.returncode == 1 and not (tmp_path / "no").exists()
+    assert refused.returncode == 2 and not (tmp_path / "no").exists()
     assert (f"intermediate_size: file has {width} (model.layers.0.mlp.gate_proj.weight [{width}, 64]), "
             f"--intermediate_size asks {width + 64}") in refused.stderr
     assert str(weight_file) in refused.stderr
@@ -239,6 +241,94 @@ def test_a_peft_folder_of_moe_experts_is_refused_for_merge_instead(tmp_path, tok
     torch.save({name: t.half() for name, t in moe.state_dict().items()}, base_file)
     adapter_file = write_adapter(tmp_path, moe.config, targets=("q_proj", "down_proj"))
     common = [str(base_file), "--num_experts_per_tok", "2", "--tokenizer", str(tokenizer_path)]
-    assert export_main([*common, "-o", str(tmp_path / "peft"), "--peft_adapter", str(adapter_file)]) == 1
+    assert export_main([*common, "-o", str(tmp_path / "peft"), "--peft_adapter", str(adapter_file)]) == 2
     assert "it adapts the MoE experts' down_proj" in capsys.readouterr().err and not (tmp_path / "peft").exists()
     assert export_main([*common, "-o", str(tmp_path / "merged"), "--merge_lora", str(adapter_file)]) == 0
+
+
+# ---- the output-path rules (output_paths.py, as the trainer's) and one line for every user error ---------------
+
+def export_cli(capsys, *argv) -> tuple[int, str]:
+    """scripts/export_hf.py's main in this process: (exit code, stderr), stderr checked to be one line at most."""
+    from scripts.export_hf import main as export_main
+    with fails_after(20):  # a FIFO opened for writing would wait for a reader for good
+        code = export_main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") <= 1, err
+    return code, err
+
+
+@pytest.fixture
+def weights(tmp_path, tokenizer_path) -> Path:
+    model = random_model(Tokenizer.from_file(str(tokenizer_path)).get_vocab_size())
+    path = tmp_path / "tiny_64.pth"
+    torch.save({name: t.half() for name, t in model.state_dict().items()}, path)
+    return path
+
+
+def test_a_link_planted_in_the_export_folder_or_at_the_reverse_output_is_replaced_never_written_through(
+        tmp_path, tokenizer_path, weights, capsys):
+    user_file = tmp_path / "notes.txt"
+    user_file.write_bytes(USER_BYTES)
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "model.safetensors").symlink_to(user_file)
+    code, err = export_cli(capsys, weights, "-o", out, "--tokenizer", tokenizer_path)
+    assert code == 2 and err.startswith(f"error: {out / 'model.safetensors'} exists: pass --force"), err
+    assert export_cli(capsys, weights, "-o", out, "--tokenizer", tokenizer_path, "--force")[0] == 0
+    # Before: the weights went into notes.txt through the link.
+    assert user_file.read_bytes() == USER_BYTES and not (out / "model.safetensors").is_symlink()
+
+    back = tmp_path / "back.pth"
+    back.symlink_to(user_file)
+    assert export_cli(capsys, out, "--reverse", "-o", back, "--force")[0] == 0
+    assert user_file.read_bytes() == USER_BYTES and not back.is_symlink()
+    assert torch.load(back, weights_only=True).keys() == torch.load(weights, weights_only=True).keys()
+
+
+def test_reverse_never_overwrites_a_pth_without_force_nor_its_own_input_and_never_waits_on_a_fifo(
+        tmp_path, tokenizer_path, weights, capsys):
+    out = tmp_path / "hf"
+    assert export_cli(capsys, weights, "-o", out, "--tokenizer", tokenizer_path)[0] == 0
+    trained = weights.read_bytes()
+    code, err = export_cli(capsys, out, "--reverse", "-o", weights)  # before: the trained weights were replaced
+    assert code == 2 and err.startswith(f"error: {weights} exists: pass --force"), err
+    assert weights.read_bytes() == trained
+    code, err = export_cli(capsys, out, "--reverse", "-o", out / "model.safetensors", "--force")
+    assert code == 2 and "is this program's input" in err, err
+    fifo = tmp_path / "fifo.pth"
+    os.mkfifo(fifo)
+    code, err = export_cli(capsys, out, "--reverse", "-o", fifo, "--force")  # before: waited for a reader
+    assert code == 2 and err.startswith(f"error: {fifo} is a FIFO"), err
+    os.unlink(out / "config.json")
+    os.mkfifo(out / "config.json")
+    code, err = export_cli(capsys, weights, "-o", out, "--tokenizer", tokenizer_path, "--force")
+    assert code == 2 and err.startswith(f"error: {out / 'config.json'} is a FIFO"), err
+
+
+def test_every_bad_input_or_output_of_export_hf_is_one_line_exit_2(tmp_path, tokenizer_path, weights, capsys):
+    out = tmp_path / "hf"
+    assert export_cli(capsys, weights, "-o", out, "--tokenizer", tokenizer_path)[0] == 0
+    config = json.loads((out / "config.json").read_text())
+    del config["hidden_size"]
+    (out / "config.json").write_text(json.dumps(config))
+    text = tmp_path / "notes.pth"
+    text.write_text("not weights at all\n")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    (tmp_path / "empty").mkdir()
+    cases = [  # (argv, the start of the line); before: KeyError, IndexError, IsADirectoryError, FileExistsError, ...
+        ([out, "--reverse", "-o", tmp_path / "x.pth"], f"error: {out / 'config.json'} has no 'hidden_size'"),
+        ([text, "-o", tmp_path / "y", "--tokenizer", tokenizer_path], f"error: {text} is not a PyTorch weights file"),
+        ([tmp_path / "empty", "-o", tmp_path / "z", "--tokenizer", tokenizer_path], f"error: {tmp_path / 'empty'} is a "
+                                                                                    f"folder, not a weights file"),
+        ([tmp_path / "empty", "--reverse", "-o", tmp_path / "x.pth"], f"error: {tmp_path / 'empty' / 'config.json'} "
+                                                                      f"not found"),
+        ([weights, "-o", a_file, "--tokenizer", tokenizer_path], f"error: {a_file} is a file, not a folder"),
+        ([weights, "-o", tmp_path / "w", "--tokenizer", text], "error: "),
+        ([tmp_path / "hf", "--reverse", "-o", tmp_path / "empty", "--force"], f"error: {tmp_path / 'empty'} is a "
+                                                                              f"directory"),
+    ]
+    for argv, start in cases:
+        code, err = export_cli(capsys, *argv)
+        assert code == 2 and err.startswith(start), (argv, err)

@@ -261,3 +261,22 @@ def test_a_model_too_big_for_memory_stops_pretraining_with_one_line_before_anyth
                    tmp_path, check=False, timeout=60)
     expect_one_line(result, "--intermediate_size 99999999999: the model would have")
     assert not (tmp_path / "out").exists() and not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("sizes", TINY_CONFIGS, ids=["dense", "gqa_1_kv_head", "moe"])
+def test_the_memory_estimate_counts_the_parameters_lora_adds(sizes):
+    from model.lora import LORA_TARGETS, apply_lora
+    config = LMConfig(**sizes)
+    for targets in (LORA_TARGETS, ("q_proj", "down_proj")):
+        adapter = apply_lora(CausalLM(config), 3, 6.0, targets)
+        assert flag_checks.lora_parameters(config, 3, list(targets)) == sum(p.numel() for p in adapter.parameters())
+
+
+def test_a_lora_rank_that_cannot_fit_stops_train_lora_with_one_line_before_anything_is_made(tmp_path, sft_data):
+    from lora_files import tiny_config, write_base
+    write_base(tmp_path / "out", tiny_config())
+    result = train("train_lora.py", None, run_args(tmp_path, sft_data, "--lora_rank", "1000000000"), tmp_path,
+                   check=False, timeout=60)
+    # Before: the adapters were allocated, a 256 GB allocator traceback.
+    expect_one_line(result, "--lora_rank 1000000000: the model and its LoRA adapters would have")
+    assert "lower --lora_rank" in result.stderr and not (tmp_path / "ckpt").exists()

@@ -272,3 +272,33 @@ def test_a_han_isolating_tokenizer_and_an_existing_out_file_are_refused_in_one_l
     (tmp_path / "broken.json").write_text(json.dumps(config))
     code, _, err = export(tmp / "full_sft_64.pth", "--out", tmp_path / "x.gguf", "--tokenizer", tmp_path / "broken.json")
     assert code == 2 and "broken.json: the tokenizers library cannot load it" in err and err.count("\n") == 1, err
+
+
+def test_a_link_at_the_old_temp_name_is_never_followed_and_force_never_replaces_the_source(dense, tmp_path):
+    from test_output_paths import USER_BYTES, fails_after
+    tmp, *_ = dense
+    user_file = tmp_path / "notes.txt"
+    user_file.write_bytes(USER_BYTES)
+    out = tmp_path / "model.gguf"
+    (tmp_path / "model.gguf.tmp").symlink_to(user_file)  # the name the export used to open, following links
+    code, _, err = export(tmp / "full_sft_64.pth", "--out", out)
+    assert code == 0, err
+    # Before: the GGUF was written into notes.txt through the link, and the link then renamed to model.gguf.
+    assert user_file.read_bytes() == USER_BYTES and not out.is_symlink() and out.read_bytes()[:4] == b"GGUF"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf", "model.gguf.tmp", "notes.txt"]
+
+    source = tmp / "full_sft_64.pth"
+    before = source.read_bytes()
+    code, _, err = export(source, "--out", source, "--force")  # before: the source was replaced by its GGUF
+    assert code == 2 and "is this program's input" in err and err.count("\n") == 1, err
+    assert source.read_bytes() == before
+    code, _, err = export(out, "--out", tmp_path / "again.gguf")  # before: "holds pickled objects"
+    assert code == 2 and f"{out} is a GGUF file" in err and err.count("\n") == 1, err
+    fifo = tmp_path / "fifo.gguf"
+    os.mkfifo(fifo)
+    with fails_after(20):
+        code, _, err = export(source, "--out", fifo, "--force")
+    assert code == 2 and f"{fifo} is a FIFO" in err and err.count("\n") == 1, err
+    with fails_after(20):
+        code, _, err = export(fifo, "--out", tmp_path / "from_a_fifo.gguf")
+    assert code == 2 and f"{fifo} is not a regular file" in err and err.count("\n") == 1, err

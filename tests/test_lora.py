@@ -26,6 +26,7 @@ from conftest import (assert_each_sample_once, assert_states_equal, child_pids, 
 from lora_files import tiny_config, write_adapter, write_base
 from model.lora import LORA_TARGETS, LoRALinear, adapter_of, apply_lora, load_lora, merged_state_dict
 from model.model import CausalLM
+from model.tokenizer import load_tokenizer
 from scripts.inspect_checkpoint import describe_checkpoint
 from test_tracking import offline_runs, wandb_offline_run
 from trainer.hardening.checkpoint_io import RunFiles, verify
@@ -99,6 +100,22 @@ def test_an_adapter_is_refused_in_one_line_on_another_base_or_without_its_json(t
     path.with_suffix(".json").unlink()
     with pytest.raises(ValueError, match=r"lora_demo_32\.json .* has no lora_alpha"):
         load_lora(CausalLM(tiny_config(vocab_size=64)), path)
+
+
+def test_the_adapter_log_line_shows_the_rank_applied_not_the_one_its_json_claims(tmp_path):
+    import eval_model
+    config = tiny_config()
+    write_base(tmp_path, config)
+    adapter_file = write_adapter(tmp_path, config, rank=4, targets=("q_proj", "v_proj"))
+    sidecar = adapter_file.with_suffix(".json")
+    claims = json.loads(sidecar.read_text())
+    sidecar.write_text(json.dumps({**claims, "lora_rank": 64, "lora_targets": "q_proj,k_proj"}))  # edited by hand
+    args = eval_model.build_arg_parser().parse_args(["--weight", "full_sft", "--save_dir", str(tmp_path),
+                                                     "--device", "cpu", "--lora", "demo"])
+    lines = []
+    eval_model.load_model(args, load_tokenizer(args.tokenizer_path), torch.device("cpu"), log=lines.append)
+    # Before: "rank 64, ... in q_proj,k_proj", what the .json said; the tensors put rank 4 on q_proj and v_proj.
+    assert lines[1:] == [f"applied {adapter_file}: rank 4, alpha 6, in q_proj,v_proj"]
 
 
 @pytest.mark.parametrize("flags,message", [

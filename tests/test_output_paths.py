@@ -1,4 +1,4 @@
-"""Every path the trainer writes is looked at (lstat) before it is opened (trainer/hardening/durable_files.py):
+"""Every path the trainer writes is looked at (lstat) before it is opened (output_paths.py):
 a FIFO, a device, a folder, or, for a file the trainer appends to (metrics, trace), a symbolic link is one
 line and exit 2, with nothing written through it and nothing waiting for a reader. A file replaced atomically
 (checkpoints, manifests, the status file, the out/ weights) may be a link: the rename replaces the link,
@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PRETRAIN_RUN, run_args, train
-from trainer.hardening.durable_files import (OutputPathError, atomic_write_text, open_to_append, output_problem,
-                                             temp_path)
+from output_paths import OutputPathError, atomic_write_text, open_to_append, output_problem, temp_path
 from trainer.hardening.resume_checks import ConfigError
 from trainer.hardening.run_lock import read_lock
 from trainer.hardening.tracking import trace_problem
@@ -125,3 +124,35 @@ def test_a_link_planted_at_the_metrics_file_is_refused_and_the_linked_file_keeps
     result = train("train_pretrain.py", None, [*args[:at], *args[at + 2:]], tmp_path, check=False, timeout=120)
     expect_refused_in_one_line(result, link, "is a symbolic link")
     assert user_file.read_bytes() == USER_BYTES and link.is_symlink()
+
+
+# ---- no stage writes over a file it reads (hardening/flag_checks.py: check_outputs_are_not_inputs) ---------------
+
+@pytest.mark.parametrize("script,flags,refused", [
+    ("train_full_sft", ["--from_weight", "full_sft"], "--from_weight {out}/full_sft_32.pth: this run writes its weights"),
+    ("train_lora", ["--from_weight", "lora_demo", "--lora_name", "demo"], "--from_weight {out}/lora_demo_32.pth: this "
+                                                                          "run writes its weights"),
+    ("train_pretrain", ["--save_debug_train_output", "{data}"], "--data_path {data}: this run writes its trace"),
+    ("train_pretrain", ["--tokenizer_path", "{out}/pretrain_32_hf/tokenizer.json"],
+     "--tokenizer_path {out}/pretrain_32_hf/tokenizer.json: this run writes its Hugging Face export (--save_hf)"),
+    ("train_dpo", ["--val_data", "{out}/dpo_32_metrics.jsonl"], "--val_data {out}/dpo_32_metrics.jsonl: this run "
+                                                                 "writes its metrics"),
+], ids=["sft_from_its_own_weights", "lora_from_its_own_adapter", "trace_over_the_data",
+        "tokenizer_in_the_hf_export", "validation_data_as_the_metrics_file"])
+def test_no_stage_may_write_over_a_file_it_reads(monkeypatch, tmp_path, script, flags, refused):
+    import importlib
+    out, data = tmp_path / "out", tmp_path / "data.jsonl"
+    out.mkdir()
+    data.write_text('{"text": "hello"}\n')
+    (out / "pretrain_32_hf").mkdir()
+    for name in ("full_sft_32.pth", "lora_demo_32.pth", "pretrain_32_hf/tokenizer.json", "dpo_32_metrics.jsonl"):
+        (out / name).write_text("{}\n")  # what they hold does not matter: their names are checked
+    paths = {"out": out, "data": data}
+    argv = ["--data_path", str(data), "--save_dir", str(out), "--checkpoint_dir", str(tmp_path / "ckpt"),
+            "--hidden_size", "32", "--num_attention_heads", "4", "--num_key_value_heads", "2", "--device", "cpu",
+            *(flag.format(**paths) for flag in flags)]
+    monkeypatch.setattr("sys.argv", [f"{script}.py", *argv])
+    with pytest.raises(ConfigError) as raised:
+        importlib.import_module(f"trainer.{script}").parse_args()
+    assert str(raised.value).startswith(refused.format(**paths)) and "\n" not in str(raised.value), raised.value
+    assert not (tmp_path / "ckpt").exists()

@@ -17,7 +17,7 @@ from pathlib import Path
 from conftest import (PRETRAIN_RUN, REPO, TINY_MODEL, assert_exit_code, child_env, events_of, free_port,
                       run_args, status_of, trace_of)
 
-PROJECT_PACKAGES = ("model", "dataset", "trainer", "scripts")
+PROJECT_PACKAGES = ("model", "dataset", "trainer", "scripts", "output_paths")
 
 
 def run(command: list[str] | str, cwd: Path, timeout: int = 300, **env) -> subprocess.CompletedProcess:

@@ -30,7 +30,7 @@ def tour(readme: str) -> str:
 
 def defined_names() -> set[str]:
     names = set()
-    for path in REPO.glob("*/**/*.py"):
+    for path in [*REPO.glob("*.py"), *REPO.glob("*/**/*.py")]:  # top-level modules too (output_paths.py)
         if ".git" in path.parts:
             continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):

@@ -187,3 +187,60 @@ def test_an_expected_error_is_retried_max_restarts_times_each_failing_fast_then_
     assert result.stderr.count(f"traceback : error: {empty}: no records") == 2, result.stderr[-3000:]
     assert result.stderr.count("(exitcode: 2)") == 3
     assert seconds < 60, f"3 attempts took {seconds:.0f} s"
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (an exited child not yet reaped by its dead parent's heir is a zombie: not alive)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_workers_whose_torchrun_was_killed_at_start_give_up_at_the_setup_timeout_in_one_line_each(tmp_path, data):
+    # kill -9 of torchrun alone leaves its workers running (each in a session of its own), with no store to meet
+    # in. They must end at the setup timeout (10 minutes; TRAINER_SETUP_TIMEOUT_S here), each with one line naming
+    # its rank. Before: torch's store client tried twice (20 minutes), then a C++ stack and a Python traceback.
+    timeout_s = 3
+    [command] = torchrun("standalone", 0, run_args(tmp_path, data, *JOB))
+    with open(tmp_path / "output.txt", "w") as output:  # the workers keep the launcher's stdout: a file, not a pipe
+        launcher = subprocess.Popen(command, cwd=tmp_path, env=child_env(TRAINER_SETUP_TIMEOUT_S=timeout_s),
+                                    stdout=output, stderr=subprocess.STDOUT)
+
+        def both_workers() -> list[int] | None:
+            pids = [first_attempt_worker([launcher], rank) for rank in (0, 1)]
+            return pids if all(pids) else None
+
+        workers = wait_for(both_workers, [launcher], "two workers started")
+        launcher.kill()  # before the workers, still importing torch, reach the store it served
+        launcher.wait()
+        orphaned = time.time()
+        while any(alive(pid) for pid in workers) and time.time() - orphaned < 90:
+            time.sleep(0.2)
+    seconds, survivors = time.time() - orphaned, [pid for pid in workers if alive(pid)]
+    for pid in survivors:  # a failed test leaves no orphan behind
+        os.kill(pid, signal.SIGKILL)
+    assert not survivors, "the orphaned workers were still running after 90 s"
+    text = (tmp_path / "output.txt").read_text()
+    assert seconds < timeout_s + 45, f"the orphaned workers took {seconds:.0f} s to give up"  # start-up on a busy machine
+    for rank in (0, 1):
+        assert f"error: rank {rank}: torchrun's store at " in text, text[-3000:]
+    assert "Traceback" not in text and "frame #" not in text, text[-3000:]
+
+
+def test_a_store_lost_while_the_group_is_set_up_is_one_line_naming_the_rank(monkeypatch, capsys):
+    # torchrun killed after its workers reached the store, before init_process_group read the peers' addresses
+    # there: the store client's DistNetworkError (here: nobody serves the port) was a traceback.
+    import torch.distributed as dist
+    from datetime import timedelta
+    from trainer.hardening.process_exit import run_script
+    monkeypatch.setenv("RANK", "1")
+
+    def main() -> None:
+        dist.TCPStore("127.0.0.1", free_port(), 2, False, timedelta(seconds=1))
+
+    with pytest.raises(SystemExit) as exited:
+        run_script(main)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: rank 1: gave up setting up the process group: "), err

@@ -121,6 +121,7 @@ def test_one_ctrl_c_stops_the_demo_after_pretraining_saves(tmp_path):
     # The real script in a copy of the project (it writes out/, checkpoints/ and the demo data where it lives).
     for name in ("model", "dataset", "trainer", "scripts"):
         shutil.copytree(REPO / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "output_paths.py", tmp_path)  # the output-path rules, below model/ and trainer/
     demo = subprocess.Popen(["bash", str(tmp_path / "scripts" / "run_demo.sh")], cwd=tmp_path, env=child_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []

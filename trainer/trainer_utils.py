@@ -16,7 +16,6 @@ import math
 import os
 import random
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
@@ -30,7 +29,7 @@ from model.model import CausalLM, LMConfig
 from trainer.hardening import checkpoint_io, resume_checks, sharding
 from trainer.hardening.background_save import BackgroundSaver
 from trainer.hardening.durable_files import sha256_of
-from trainer.hardening.elastic_store import attempt_store
+from trainer.hardening.elastic_store import attempt_store, setup_timeout
 from trainer.hardening.flag_checks import check_fits_in_memory
 from trainer.hardening.resume_checks import ConfigError
 from trainer.hardening.save_on_ranks import gather_rng_states, raise_on_every_rank, write_checkpoint
@@ -57,7 +56,7 @@ def init_distributed(device_flag: str) -> DistInfo:
         return DistInfo(0, 0, 1, torch.device(device_flag))
     rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     # torchrun hands a restarted group the store of the group before it: keys of this attempt only.
-    store = attempt_store(rank, world_size, timeout=timedelta(minutes=10))
+    store = attempt_store(rank, world_size, timeout=setup_timeout())
     if device_flag.startswith("cuda"):
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)

@@ -77,7 +77,7 @@ def disk_full(file):
     raise OSError(errno.ENOSPC, "No space left on device (injected)")
 
 
-def patch_durable_files(module) -> None:
+def patch_output_paths(module) -> None:
     """Every module that imports atomic_write imports it after this ran: they all get the slowed one."""
     atomic_write = module.atomic_write
 
@@ -112,7 +112,7 @@ PATCHES = {}
 if STEP_DELAY > 0 or SIGNAL_AT_STEP:
     PATCHES["trainer.hardening.step_judge"] = patch_step_judge
 if SAVE_DELAY > 0 or DISK_FULL_AT_STEP:
-    PATCHES["trainer.hardening.durable_files"] = patch_durable_files
+    PATCHES["output_paths"] = patch_output_paths  # where atomic_write lives (trainer and exports share it)
     PATCHES["trainer.hardening.checkpoint_io"] = patch_checkpoint_io
 if DISK_FULL_AT_STEP:
     PATCHES["torch.distributed.checkpoint.filesystem"] = patch_dcp_files

@@ -43,9 +43,10 @@ import torch.distributed as dist
 
 # The file primitives; TEMP_TAIL, CheckpointError and atomic_write_text are imported from here by run_lock.py,
 # tracking.py and the scripts too.
-from trainer.hardening.durable_files import (TEMP_TAIL, CheckpointError, atomic_write, atomic_write_text,
-                                             check_output, earlier_manifest, forget_hash, fsync_dir, load_file_trusted,
-                                             manifest_of, manifest_path, remember_hash, sha256_of, temp_path)
+from output_paths import (TEMP_TAIL, OutputPathError, atomic_write, atomic_write_text, check_output, fsync_dir,
+                          temp_path)
+from trainer.hardening.durable_files import (CheckpointError, earlier_manifest, forget_hash, load_file_trusted,
+                                             manifest_of, manifest_path, remember_hash, sha256_of)
 
 HISTORY_NAME = re.compile(r"^step_(\d{8})\.(?:pth|dcp)$")  # .dcp: a sharded checkpoint's folder
 # What a save writes into the history folder, as files: checkpoints and manifests (`.json` alone: earlier versions').
@@ -113,7 +114,7 @@ def save_verified(files: RunFiles, state: dict, step: int, keep_last: int, info:
                   f"{aside} (this save writes {files.resume_link.name})", flush=True)
         point_resume_at(files, path, still_held)
         written = False  # the resume link names it now: it is the newest checkpoint, keep it
-    except (OSError, CheckpointError) as error:
+    except (OSError, CheckpointError, OutputPathError) as error:
         if written:  # a half-finished save: give its space back and leave no unverifiable newest file
             for leftover in (path, manifest_path(path)):
                 with contextlib.suppress(OSError):  # best effort; the error below is what matters

@@ -7,9 +7,9 @@ it: `step_00000300.pth.json`) records the size and SHA-256 of those bytes; a has
 by (path, inode, size, mtime_ns), so a kept file is read once, not at every save. Loading is torch.load
 with weights_only=True, always.
 
-Every path the trainer writes is looked at (lstat) before it is opened (output_problem): a folder, FIFO or
-device there is refused in one line (exit 2), and so is a symbolic link where a file is appended to (the
-metrics file, the trace: open_to_append); a file replaced by a rename replaces a link, never follows it.
+The writing itself (atomic_write, open_to_append) and the rules every written path follows (a folder, FIFO
+or device there is refused in one line, exit 2; a link is replaced, never written through) are in the
+top-level output_paths.py, which the exports share: model/ may not import trainer/.
 
 checkpoint_io.py (single-file checkpoints, rotation, fallback) and sharded_checkpoint.py (the folders of
 --parallel fsdp) build on this module; it imports nothing of theirs.
@@ -17,21 +17,14 @@ checkpoint_io.py (single-file checkpoints, rotation, fallback) and sharded_check
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
 import pickle
 import re
-import socket
-import stat
-import threading
 from pathlib import Path
-from typing import Any, Callable
 
 import torch
-
-TEMP_TAIL = r"(?:\.partial-[A-Za-z0-9._-]+)?\.tmp"  # see temp_path; a bare `NAME.tmp` is an earlier version's
 
 hashes_computed = 0  # files read in full to hash them, in this process: tests check rotation does not repeat it
 _known_hashes: dict[str, tuple[tuple[int, int, int], str]] = {}  # path -> ((inode, size, mtime_ns), sha256)
@@ -39,62 +32,6 @@ _known_hashes: dict[str, tuple[tuple[int, int, int], str]] = {}  # path -> ((ino
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written, or none could be trusted for loading."""
-
-
-class OutputPathError(CheckpointError):
-    """Something other than a file of this run stands where the trainer writes one (one line, exit 2)."""
-
-
-def output_problem(path: Path, appended: bool) -> str | None:
-    """What stands at `path` that the trainer must not write into, in words ("is a FIFO"), or None: nothing, or a
-    regular file. A symbolic link is a problem only for a file the trainer appends to (`appended`): a write
-    through it would land in the file it points to. A file replaced atomically (atomic_write) may be a link:
-    the rename replaces the link itself and never follows it. lstat, not open: a FIFO is never opened here,
-    so the check cannot block."""
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return None
-    if stat.S_ISREG(mode) or (stat.S_ISLNK(mode) and not appended):
-        return None
-    if stat.S_ISLNK(mode):
-        return f"is a symbolic link (to {os.readlink(path)}): appending through it would write into that file"
-    return ("is a directory" if stat.S_ISDIR(mode) else "is a FIFO (named pipe)" if stat.S_ISFIFO(mode)
-            else "is a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "is a socket" if stat.S_ISSOCK(mode)
-            else "is not a regular file")
-
-
-def refusal(path: Path, problem: str) -> str:
-    """The one line that refuses to write `path` because it `problem` (output_problem's words)."""
-    return f"{path} {problem}; this run writes a file of its own there, and left this as it is: move it away or " \
-           f"give another path"
-
-
-def check_output(path: Path, appended: bool) -> None:
-    """Raise OutputPathError (one line) if output_problem finds something at `path` the trainer must not write."""
-    problem = output_problem(path, appended)
-    if problem is not None:
-        raise OutputPathError(refusal(path, problem))
-
-
-def open_to_append(path: Path, truncate: bool = False) -> int:
-    """A file descriptor that appends to the regular file `path` (made if missing; emptied first with
-    `truncate`), after check_output. The open itself refuses what may have appeared since the check:
-    O_NOFOLLOW fails on a link, O_NONBLOCK makes a FIFO fail (no reader) or open at once (then fstat refuses
-    it), so nothing is written through a link and nothing waits for a reader."""
-    check_output(path, appended=True)
-    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    try:
-        fd = os.open(path, flags | (os.O_TRUNC if truncate else 0), 0o644)
-    except OSError as error:
-        if error.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):  # a link, a FIFO, a folder put there since
-            check_output(path, appended=True)
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)  # nothing was written: a device or FIFO swapped in after the check
-        raise OutputPathError(refusal(path, output_problem(path, appended=True) or "is not a regular file"))
-    os.set_blocking(fd, True)  # back to plain writes (O_NONBLOCK was for the open)
-    return fd
 
 
 def one_line(error: BaseException) -> str:
@@ -138,83 +75,6 @@ def manifest_of(checkpoint: Path) -> Path:
     manifest_path when there is neither. Everything that reads or moves a manifest asks here."""
     own = manifest_path(checkpoint)
     return own if os.path.lexists(own) else earlier_manifest(checkpoint) or own
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make a rename inside `directory` durable (the rename lives in the directory's own data)."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class _HashingWriter:
-    """A write-only file object that hashes what passes through, so no second read is needed."""
-
-    def __init__(self, file):
-        self.file, self.sha256, self.size = file, hashlib.sha256(), 0
-        self.error: OSError | None = None
-
-    def write(self, data) -> int:
-        self.sha256.update(data)
-        self.size += len(data)
-        try:
-            return self.file.write(data)
-        except OSError as error:
-            self.error = error  # torch.save hides it (see atomic_write); keep it for the caller
-            raise
-
-    def flush(self) -> None:
-        self.file.flush()
-
-
-def temp_path(path: Path) -> Path:
-    """The name `path` is written under until it is complete: unique to this host, process and thread, so
-    two writers never share one (a killed write's leftover is removed at start: remove_stale_temp_files)."""
-    host = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:32]
-    return path.with_name(f"{path.name}.partial-{host}-{os.getpid()}-{threading.get_native_id()}.tmp")
-
-
-def create_new(path: str | Path) -> int:
-    """A file descriptor of a new file at `path`, for writing. O_EXCL | O_NOFOLLOW: never a file, or a link,
-    already there (put at a temp name between two runs, or since). Mode 0o666 less the umask, as open() makes
-    it: the file's mode follows the umask like any other file's."""
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
-
-
-def atomic_write(path: Path, write: Callable[[Any], None],
-                 before_rename: Callable[[], None] | None = None) -> tuple[int, str]:
-    """Write `path` through a temp file, fsync, rename, fsync the directory; returns (size, sha256). A symbolic
-    link at `path` is replaced by the file, never written through; a folder, FIFO or device there is refused
-    (OutputPathError), not replaced. `before_rename` may raise to stop the write there (a save checks that its
-    run still holds the directory)."""
-    check_output(path, appended=False)
-    tmp = temp_path(path)
-    raw = open(tmp, "wb", opener=lambda name, flags: create_new(name))  # before `try`: a name not ours stays
-    writer = None
-    try:
-        with raw:
-            writer = _HashingWriter(raw)
-            write(writer)
-            raw.flush()
-            os.fsync(raw.fileno())  # the bytes must be on disk before the name points at them
-        if before_rename is not None:
-            before_rename()  # last, right before the name points at the new bytes
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except BaseException as error:
-        tmp.unlink(missing_ok=True)
-        # torch.save turns an OSError from our write() (a full disk: ENOSPC) into a bare
-        # RuntimeError "unexpected pos ..."; re-raise the real cause so callers see an OSError.
-        if writer is not None and writer.error is not None and error is not writer.error:
-            raise writer.error from error
-        raise
-    return writer.size, writer.sha256.hexdigest()
-
-
-def atomic_write_text(path: Path, text: str, before_rename: Callable[[], None] | None = None) -> None:
-    atomic_write(path, lambda f: f.write(text.encode("utf-8")), before_rename)
 
 
 def sha256_of(path: Path, cached: bool = False) -> str:

@@ -20,7 +20,9 @@ on its own; use the c10d rendezvous there.)
 
 from __future__ import annotations
 
+import os
 import secrets
+import socket
 import time
 from datetime import timedelta
 
@@ -30,13 +32,64 @@ ATTEMPT_KEY = "tiny_llm/attempt"  # rank 0's token of the current attempt (an ol
 ANSWER_WAIT_S = 2.0  # how long a rank waits for rank 0's answer before it reads the token again
 
 
+class GroupSetupError(RuntimeError):
+    """The ranks did not find each other in time: torchrun's store is gone (its launcher was killed) or a rank
+    never came. One line naming the rank (exit 2, process_exit.py), not a traceback."""
+
+
+def setup_timeout() -> timedelta:
+    """How long a starting rank waits for torchrun's store and for the other ranks: 10 minutes, or
+    TRAINER_SETUP_TIMEOUT_S seconds (the tests use a few)."""
+    return timedelta(seconds=float(os.environ.get("TRAINER_SETUP_TIMEOUT_S", 600)))
+
+
 def attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
     """The store that `init_process_group` would use (MASTER_ADDR/MASTER_PORT), narrowed to this attempt's keys.
 
-    Raises TimeoutError when the ranks have not found each other within `timeout`.
+    Raises GroupSetupError, in one line, when the ranks have not found each other within `timeout`.
     """
-    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
     deadline = time.monotonic() + timeout.total_seconds()
+    if rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # else this rank serves the store
+        wait_for_store(rank, deadline)
+    try:
+        return _attempt_store(rank, world_size, deadline)
+    except dist.DistError as error:  # the store went away, or an answer did not come within the deadline
+        raise setup_failed(error) from None
+
+
+def setup_lost_its_store(error: BaseException) -> bool:
+    """Whether `error` is torchrun's store lost while the process group was being set up (init_process_group
+    reads the peers' addresses there): a DistNetworkError before the group exists."""
+    return isinstance(error, dist.DistNetworkError) and not dist.is_initialized()
+
+
+def setup_failed(error: BaseException) -> GroupSetupError:
+    """The one line for a store error while setting up the group, naming this rank."""
+    cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return GroupSetupError(f"rank {os.environ.get('RANK', 0)}: gave up setting up the process group: {cause} (was "
+                           f"torchrun killed? this process is left without its launcher)")
+
+
+def wait_for_store(rank: int, deadline: float) -> None:
+    """Wait until torchrun's store (MASTER_ADDR:MASTER_PORT) takes a connection, or raise GroupSetupError at
+    `deadline`. torch's own client would wait twice its timeout where nobody listens (it tries again once:
+    20 minutes for 10) and print a C++ stack each time; a worker whose torchrun was killed ends here instead."""
+    address = (os.environ.get("MASTER_ADDR", "localhost"), int(os.environ.get("MASTER_PORT", 29500)))
+    while True:
+        try:
+            socket.create_connection(address, timeout=1.0).close()
+            return
+        except OSError as error:
+            if time.monotonic() >= deadline:
+                raise GroupSetupError(f"rank {rank}: torchrun's store at {address[0]}:{address[1]} did not answer "
+                                      f"({error.strerror or error}); stopping (was torchrun killed? this process is "
+                                      f"left without its launcher)") from None
+            time.sleep(0.5)
+
+
+def _attempt_store(rank: int, world_size: int, deadline: float) -> dist.Store:
+    timeout = timedelta(seconds=max(deadline - time.monotonic(), 1.0))
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
     if rank == 0:
         attempt = secrets.token_hex(8)
         store.set(ATTEMPT_KEY, attempt)
@@ -55,5 +108,5 @@ def attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
                 return dist.PrefixStore(attempt, store)
             time.sleep(0.05)
         if time.monotonic() > deadline:
-            raise TimeoutError(f"rank {rank}: rank 0 did not answer within {timeout.total_seconds():.0f} s "
-                               f"(last token read: {attempt}); is rank 0 running?")
+            raise GroupSetupError(f"rank {rank}: rank 0 did not answer before the setup timeout (last token read: "
+                                  f"{attempt}); is rank 0 running?")

@@ -5,8 +5,9 @@ later or a run that trains silently wrong. Defaults that depend on other flags a
 It runs in parse_args, before the process group exists: under torchrun every rank meets the same bad
 flag and prints its own line (run_script), and no rank is left waiting for another in a collective.
 The names that become file names (--save_weight, --run_name, --from_weight) are plain names that fit
-the file system. One check runs later, once the tokenizer gives the vocabulary: a model whose weights,
-gradients and AdamW state cannot fit in the device's memory is refused (check_fits_in_memory, called by
+the file system, and no file the run writes is one it reads (check_outputs_are_not_inputs). One check runs
+later, once the tokenizer gives the vocabulary: a model whose weights, gradients and AdamW state (a LoRA
+stage's adapters included) cannot fit in the device's memory is refused (check_fits_in_memory, called by
 trainer_utils.model_config), before anything is allocated.
 """
 
@@ -23,7 +24,8 @@ import torch.distributed as dist
 from model.lora import LORA_TARGETS
 from model.model import LMConfig, default_intermediate_size
 from trainer.hardening.anomaly import parse_injection
-from trainer.hardening.checkpoint_io import HISTORY_NAME
+from trainer.hardening.checkpoint_io import HISTORY_NAME, RunFiles
+from trainer.hardening.metrics_files import metrics_path, status_path
 from trainer.hardening.resume_checks import ConfigError
 
 MAX_POSITIONS = LMConfig.max_position_embeddings  # the rotary table's length: no window may be longer
@@ -90,6 +92,7 @@ def check_flags(args: argparse.Namespace) -> argparse.Namespace:
     check_model_shape(args)
     check_paths(args)
     check_names(args)
+    check_outputs_are_not_inputs(args)
     check_device(args.device)
     unknown = [name for name in args.logger.split(",") if name and name not in LOGGERS]
     if unknown:  # a typo would silently drop that output
@@ -168,6 +171,56 @@ def check_paths(args: argparse.Namespace) -> None:
         if path.is_dir():
             raise ConfigError(f"--save_debug_train_output {path} is a directory: give the path of a file")
         check_can_be_made("save_debug_train_output", path, path.parent)
+
+
+def run_outputs(args: argparse.Namespace) -> dict[str, Path]:
+    """What the run writes, by what it is: the out/ weights and their settings, the Hugging Face export folder,
+    the checkpoint files and history folder, the metrics, status and trace files (named as trainer_utils.run_name
+    and the modules that write them name them)."""
+    name = f"{args.save_weight}_{args.hidden_size}{'_moe' if args.use_moe else ''}"
+    out, files, metrics_dir = Path(args.save_dir), RunFiles(Path(args.checkpoint_dir), name), args.metrics_dir
+    written = {"its weights": out / f"{name}.pth", "their settings": out / f"{name}.json",
+               "its Hugging Face export (--save_hf)": out / f"{name}_hf", "its resume file": files.resume_link,
+               "its latest pointer": files.latest_pointer, "its checkpoint history": files.history_dir,
+               "its metrics": metrics_path(metrics_dir or out, name), "its status": status_path(metrics_dir or out, name)}
+    if args.save_debug_train_output is not None:
+        written["its trace (--save_debug_train_output)"] = Path(args.save_debug_train_output)
+    return written
+
+
+def run_inputs(args: argparse.Namespace) -> dict[str, Path]:
+    """What the run reads, by flag: the data, the tokenizer, and --from_weight's file (LoRA's base, DPO's
+    start and reference)."""
+    read = {f"--{flag}": Path(getattr(args, flag)) for flag in ("data_path", "val_data", "tokenizer_path")
+            if getattr(args, flag, None) is not None}
+    if getattr(args, "from_weight", "none") != "none":
+        stem = f"{args.hidden_size}{'_moe' if args.use_moe else ''}"
+        read["--from_weight"] = Path(args.save_dir) / f"{args.from_weight}_{stem}.pth"
+    return read
+
+
+def check_outputs_are_not_inputs(args: argparse.Namespace) -> None:
+    """No file the run writes is one it reads (the same path, a link to it, or inside a folder the run writes):
+    with --save_weight equal to --from_weight, DPO's first save replaced the SFT model that is its start and its
+    reference. Refused here, in one line, before anything is read or written."""
+    written = run_outputs(args)
+    for flag, source in run_inputs(args).items():
+        for what, target in written.items():
+            if _same_or_inside(source, target):
+                raise ConfigError(f"{flag} {source}: this run writes {what} at {target}, over a file it reads; "
+                                  f"choose another --save_weight (or --save_dir, --checkpoint_dir, --metrics_dir)"
+                                  + (f" than --from_weight {args.from_weight}" if flag == "--from_weight" else ""))
+
+
+def _same_or_inside(source: Path, target: Path) -> bool:
+    """Whether `source` is `target`, or lies in the folder `target` (names resolved: links and `..` followed)."""
+    try:
+        if os.path.lexists(source) and os.path.lexists(target) and os.path.samefile(source, target):
+            return True
+    except OSError:  # a broken link: compare the names below
+        pass
+    source, target = source.resolve(), target.resolve()
+    return source == target or target in source.parents
 
 
 def check_can_be_made(flag: str, value: str | Path, directory: Path) -> None:
@@ -255,6 +308,7 @@ TRAINING_BYTES_PER_PARAMETER = 16
 DEFAULT_SIZES = {"hidden_size": LMConfig.hidden_size, "num_hidden_layers": LMConfig.num_hidden_layers,
                  "num_attention_heads": LMConfig.num_attention_heads,
                  "num_key_value_heads": LMConfig.num_key_value_heads, "num_experts": LMConfig.num_experts}
+DEFAULT_LORA_RANK = 8  # train_lora.py's --lora_rank
 
 
 def parameter_count(vocab_size: int, hidden_size: int, num_hidden_layers: int, num_attention_heads: int,
@@ -279,25 +333,49 @@ def config_parameters(config: LMConfig, **changed) -> int:
     return parameter_count(**{**sizes, **changed})
 
 
+def lora_parameters(config: LMConfig, rank: int, targets: list[str]) -> int:
+    """The parameters LoRA adds (model/lora.py): A (rank x in) and B (out x rank) on each target linear layer of
+    every layer, of every expert for the MLP's under MoE. Python's integers: --lora_rank 10**9 does not overflow."""
+    head_dim = config.hidden_size // config.num_attention_heads
+    q, kv, hidden, width = (config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim,
+                            config.hidden_size, config.intermediate_size)
+    in_out = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+              "gate_proj": (hidden, width), "up_proj": (hidden, width), "down_proj": (width, hidden)}
+    copies = {name: config.num_experts if config.use_moe and name in ("gate_proj", "up_proj", "down_proj") else 1
+              for name in in_out}
+    return config.num_hidden_layers * sum(rank * sum(in_out[t]) * copies[t] for t in targets if t in in_out)
+
+
+def stage_parameters(config: LMConfig, args: argparse.Namespace, **changed) -> int:
+    """config_parameters(config, **changed) and what the stage adds to it: LoRA's adapters (--lora_rank, which
+    `changed` may set too)."""
+    rank = changed.pop("lora_rank", getattr(args, "lora_rank", None))
+    adapters = lora_parameters(config, rank, args.lora_targets.split(",")) if rank else 0
+    return config_parameters(config, **changed) + adapters
+
+
 def check_fits_in_memory(config: LMConfig, args: argparse.Namespace) -> None:
     """Refuse a model whose weights, gradients and AdamW state cannot fit in the device's memory (under --parallel
-    fsdp, a rank's share), naming the size flag that grows it most: not an allocator's traceback later."""
+    fsdp, a rank's share), naming the size flag that grows it most: not an allocator's traceback later. Every
+    size counts, the stage's own too (LoRA's --lora_rank)."""
     device = torch.device(args.device)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     shards = world_size if args.parallel == "fsdp" else 1  # fsdp: each rank keeps 1/world_size of everything
-    parameters = config_parameters(config)
+    parameters = stage_parameters(config, args)
     needed = parameters * TRAINING_BYTES_PER_PARAMETER // shards
     if device.type != "cuda":  # the ranks of a node share its memory (torchrun's LOCAL_WORLD_SIZE)
         needed *= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     available, where = available_memory(device)
     if needed <= available:
         return
-    defaults = {**DEFAULT_SIZES, "intermediate_size": default_intermediate_size(config.hidden_size)}
-    given = [flag for flag in defaults if getattr(args, flag) is not None]  # (the scripts give --hidden_size always)
+    defaults = {**DEFAULT_SIZES, "intermediate_size": default_intermediate_size(config.hidden_size),
+                "lora_rank": DEFAULT_LORA_RANK}
+    given = [flag for flag in defaults if getattr(args, flag, None) is not None]  # (--hidden_size is always given)
     # The flag whose value grows the model most: put back at its default, it shrinks the count the most.
-    culprit = max(given, key=lambda flag: parameters / config_parameters(config, **{flag: defaults[flag]}))
+    culprit = max(given, key=lambda flag: parameters / stage_parameters(config, args, **{flag: defaults[flag]}))
     share = f", 1/{shards} of it on each of {shards} ranks (--parallel fsdp)" if shards > 1 else ""
-    raise ConfigError(f"--{culprit} {getattr(args, culprit)}: the model would have {parameters / 1e6:,.1f}M "
+    model = "the model and its LoRA adapters" if getattr(args, "lora_rank", None) else "the model"
+    raise ConfigError(f"--{culprit} {getattr(args, culprit)}: {model} would have {parameters / 1e6:,.1f}M "
                       f"parameters, and training them needs at least {gib(needed)} ({TRAINING_BYTES_PER_PARAMETER} "
                       f"bytes a parameter: fp32 weights and gradients, AdamW's two moments{share}), but {where}; "
                       f"lower --{culprit}")

@@ -134,7 +134,7 @@ class MetricsFileWriter:
 
     def begin(self, start_step: int, total_steps: int) -> None:
         """A fresh run starts fresh files; a resumed one cuts its metrics back to `start_step`."""
-        from trainer.hardening.durable_files import OutputPathError  # see _write_status for why it is here
+        from output_paths import OutputPathError  # see _write_status for why it is here
         problem = self.path_problem()
         if problem is not None:
             raise OutputPathError(problem)
@@ -217,7 +217,7 @@ class MetricsFileWriter:
         """The one line refusing the metrics or status file's path (a link, FIFO, device or folder there for the
         metrics file, which is appended to; a FIFO, device or folder for the status file, which is replaced), or
         None. Checked before either file is opened."""
-        from trainer.hardening.durable_files import output_problem, refusal  # see _write_status for why
+        from output_paths import output_problem, refusal  # see _write_status for why
         for path, appended in ((self.metrics_file, True), (self.status_file, False)):
             problem = output_problem(path, appended)
             if problem is not None:
@@ -225,7 +225,7 @@ class MetricsFileWriter:
         return None
 
     def _open_metrics(self, truncate: bool = False) -> IO[str]:
-        from trainer.hardening.durable_files import open_to_append  # see _write_status for why it is here
+        from output_paths import open_to_append  # see _write_status for why it is here
         return os.fdopen(open_to_append(self.metrics_file, truncate), "a", encoding="utf-8")
 
     def _cut_back_to(self, step: int) -> list[dict]:

@@ -15,14 +15,16 @@ from typing import Callable
 import torch.distributed as dist
 
 from dataset.jsonl_file import DataFileError
+from output_paths import OutputPathError
 from trainer.hardening.anomaly import AnomalyStop
 from trainer.hardening.durable_files import CheckpointError
+from trainer.hardening.elastic_store import GroupSetupError, setup_failed, setup_lost_its_store
 from trainer.hardening.resume_checks import ConfigError
 from trainer.hardening.run_lock import LockLost, lock_lost, release_held
 
 # What a user can cause and fix (bad data, a missing file, flags or a checkpoint that do not fit):
 # one message and exit code 2, not a traceback. Anything else is a bug and keeps its traceback.
-EXPECTED_ERRORS = (FileNotFoundError, DataFileError, ConfigError, CheckpointError)
+EXPECTED_ERRORS = (FileNotFoundError, DataFileError, ConfigError, CheckpointError, OutputPathError, GroupSetupError)
 
 
 def run_script(main: Callable[[], None]) -> None:
@@ -39,9 +41,9 @@ def run_script(main: Callable[[], None]) -> None:
         message, code = f"error: {error}", 2
     except RuntimeError as error:  # a collective broken by a peer that left: because this run lost its lock?
         lost = lock_lost(read=True) if dist.is_initialized() else None
-        if lost is None:
+        if lost is None and not setup_lost_its_store(error):
             raise
-        message, code = f"stopping: {lost}", 4
+        message, code = (f"stopping: {lost}", 4) if lost else (f"error: {setup_failed(error)}", 2)
     # Here, outside the except blocks, the traceback (and the DDP model in main's frame) is gone.
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(message, file=sys.stdout if code == 3 else sys.stderr, flush=True)

@@ -47,9 +47,9 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from output_paths import OutputPathError, create_new, output_problem
 from trainer.hardening.checkpoint_io import CheckpointError, RunFiles, atomic_write_text
 from trainer.hardening.directory_checks import check_no_obstructions, remove_stale_temp_files
-from trainer.hardening.durable_files import create_new, output_problem
 from trainer.hardening.resume_checks import ConfigError
 
 LOCK_NAME = "trainer.lock"
@@ -373,7 +373,7 @@ def claim_run_directories(args, run_name: str, log: Callable[[str], None]) -> No
             outcome[1] = _held[0].record["token"]
             _stop_beating.clear()  # set by an earlier release in this process, if any
             threading.Thread(target=_heartbeat_loop, name="lock-heartbeat", daemon=True).start()
-        except (ConfigError, CheckpointError, OSError) as error:
+        except (ConfigError, CheckpointError, OutputPathError, OSError) as error:
             release_held()
             outcome[0] = f"cannot claim {unique[0]}: {error}" if isinstance(error, OSError) else str(error)
     if world_size > 1:  # every rank learns rank 0's outcome, so none waits for a collective that never comes

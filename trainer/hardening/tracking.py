@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from model.tokenizer import token_byte_lengths
+from output_paths import open_to_append, output_problem
 from trainer.hardening.checkpoint_io import atomic_write_text
-from trainer.hardening.durable_files import open_to_append, output_problem
 from trainer.hardening.metrics_files import MetricsFileWriter
 from trainer.hardening.resume_checks import ConfigError
 from trainer.hardening.run_lock import HEARTBEAT_S, LOCK_NAME, lock_lost
