@@ -53,7 +53,7 @@ from dataset.jsonl_file import JsonlFile
 from dataset.lm_dataset import PretrainDataset, SFTDataset
 from eval_choices import choice_loglikelihoods, format_choice_scores, format_pair_scores, load_hf_model, \
     pair_logprobs, picks, read_choice_items, score_choices, score_pairs
-from model.hf import load_project_weights
+from model.weights import load_project_weights
 from model.lora import load_lora, note_if_another_base
 from model.model import CausalLM
 from model.tokenizer import BOS_ID, EOS_ID, load_tokenizer

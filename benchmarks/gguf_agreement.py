@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from eval_model import chat_prompt_ids, generate_ids  # noqa: E402
-from model.hf import load_project_weights  # noqa: E402
+from model.weights import load_project_weights  # noqa: E402
 from model.model import CausalLM  # noqa: E402
 from model.tokenizer import EOS_ID, load_tokenizer  # noqa: E402
 

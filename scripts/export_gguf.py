@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: t
 import gguf  # noqa: E402  (pip install gguf: llama.cpp's own Python writer)
 
 from model.chat_template import CHAT_TEMPLATE  # noqa: E402
-from model.hf import check_tokenizer, import_hf, load_project_weights  # noqa: E402
+from model.hf import check_tokenizer, import_hf  # noqa: E402
+from model.weights import load_project_weights  # noqa: E402
 from model.model import LMConfig  # noqa: E402
 # QWEN2_PATTERN: Qwen2's regex, which llama.cpp runs for tokenizer.ggml.pre = qwen2
 from model.tokenizer import BOS_ID, DEFAULT_TOKENIZER, QWEN2_PATTERN  # noqa: E402

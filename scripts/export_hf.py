@@ -32,7 +32,8 @@ if __package__ in (None, ""):  # run as a file (python scripts/x.py): make the r
 
 import torch
 
-from model.hf import DTYPES, HF_FILES, export_hf, import_hf, infer_sizes, load_project_weights, size_flags
+from model.hf import DTYPES, HF_FILES, export_hf, import_hf
+from model.weights import infer_sizes, load_project_weights, size_flags
 from model.lora import PEFT_FILES, export_peft, load_lora, merged_state_dict, note_if_another_base, read_adapter
 from model.model import CausalLM, LMConfig
 from model.tokenizer import DEFAULT_TOKENIZER

@@ -25,7 +25,7 @@ import torch
 if __package__ in (None, ""):  # run as a file: the repository, not this folder, goes first on the import path
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from model.hf import infer_sizes, size_flags
+from model.weights import infer_sizes, size_flags
 from model.lora import adapter_shape
 from trainer.hardening.checkpoint_io import CheckpointError, RunFiles, load_trusted, manifest_of, verify
 

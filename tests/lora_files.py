@@ -54,7 +54,7 @@ def write_adapter(out_dir: Path, config: LMConfig, rank: int = 4, alpha: float =
 
 def base_model(path: Path) -> CausalLM:
     """The FP32 model of an out/ file written by write_base (every size read off the weights)."""
-    from model.hf import load_project_weights
+    from model.weights import load_project_weights
     weights, config = load_project_weights(path, {})
     model = CausalLM(config)
     model.load_state_dict(weights, strict=True)

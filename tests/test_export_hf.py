@@ -15,7 +15,8 @@ import transformers  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 from model.model import CausalLM, LMConfig  # noqa: E402
-from model.hf import config_from_weights, export_hf, import_hf  # noqa: E402
+from model.hf import export_hf, import_hf  # noqa: E402
+from model.weights import config_from_weights  # noqa: E402
 
 from conftest import REPO  # noqa: E402
 from test_output_paths import USER_BYTES, fails_after  # noqa: E402

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import eval_model  # noqa: E402
-from model.hf import config_from_weights, infer_sizes, load_project_weights  # noqa: E402
+from model.weights import config_from_weights, infer_sizes, load_project_weights  # noqa: E402
 from model.model import CausalLM  # noqa: E402
 from model.tokenizer import DEFAULT_TOKENIZER, load_tokenizer  # noqa: E402
 from trainer.train_tokenizer import train_tokenizer  # noqa: E402

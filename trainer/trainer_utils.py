@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, Sampler
 
-from model.hf import export_hf, load_project_weights
+from model.hf import export_hf
+from model.weights import load_project_weights
 from model.model import CausalLM, LMConfig
 from trainer.hardening import checkpoint_io, resume_checks, sharding
 from trainer.hardening.background_save import BackgroundSaver
