@@ -155,8 +155,8 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
         at = at.after(window, n)
         tracker.step_taken(at.global_step)  # the first prints "first step done": a sign of life on a slow machine
         # ---- step N's log line, validation and save, at their intervals ------------------------------
-        # The stop vote: a signal (SIGTERM, Ctrl-C) on any rank, or a failed background save (all ranks raise)? It
-        # costs an all-reduce of two numbers per step between the hosts, on gloo: no rank waits for its GPU.
+        # The stop vote: a signal (SIGTERM, Ctrl-C) on any rank, or a failed background save (all ranks raise)? On
+        # several ranks it costs an all-reduce of two numbers per step between the hosts (gloo: no GPU wait).
         last = stop.vote(saver) or at.global_step >= stop_at or at.epoch == args.epochs  # or --max_steps, the end
         log_now = at.global_step % args.log_interval == 0 or at.samples_consumed == 0 or last
         validate = val_ds is not None and (at.global_step % args.eval_interval == 0 or last)
