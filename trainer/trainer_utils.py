@@ -82,8 +82,8 @@ def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScale
     if scaler.is_enabled():
         scaler.step(optimizer)  # fp16: skipped where unscale_ found an inf or NaN
     else:
-        # PyTorch 2.13, torch/optim/adam.py (AdamW is Adam): step() passes getattr(self, "found_inf") to
-        # _fused_adam, whose kernel leaves weights and moments as they are where it is 1, and takes the step back.
+        # PyTorch 2.13, torch/optim/adam.py (AdamW is Adam): step() hands getattr(self, "found_inf") to _fused_adam;
+        # where it is 1, torch._fused_adamw_ leaves weights and moments as they are, and the step count is taken back.
         optimizer.found_inf = (~torch.isfinite(sharding.whole(grad_norm))).float()
         try:
             optimizer.step()

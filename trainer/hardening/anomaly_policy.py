@@ -52,9 +52,9 @@ class AnomalyPolicy:
         self.guard = AnomalyGuard(args.on_anomaly, args.patience, args.max_rollbacks, args.rollback_lr_factor,
                                   args.max_skipped_steps)
         self.guard.load_state_dict(guard_state)  # its history, rollbacks and the windows to step over
-        self.tracker, self.log, self.finite_expected, self.policy = tracker, log, gradients_finite_expected, \
-            args.on_anomaly
-        self.next_step = 0
+        self.tracker, self.log, self.policy = tracker, log, args.on_anomaly
+        self.finite_expected = gradients_finite_expected
+        self.next_step = 0  # the step whose forward and backward run now
 
     def step_in_progress(self) -> int:
         """The number of the step whose forward and backward run now (--debug_inject reads it)."""
