@@ -33,7 +33,7 @@ if __package__ in (None, ""):  # run as a file: the repository, not this folder,
 from trainer.hardening.checkpoint_io import CheckpointError, load_trusted
 
 # Scalars of a resume file that say where the run stands; all must agree.
-RESUME_SCALARS = ("epoch", "step", "global_step", "samples_consumed", "world_size", "lr")
+RESUME_SCALARS = ("epoch", "global_step", "samples_consumed", "world_size", "lr")
 
 
 # ---- debug traces ---------------------------------------------------------------------------

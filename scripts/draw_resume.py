@@ -4,8 +4,8 @@ Top panel: the steps taken on 2 ranks before the stop. Bottom panel: the samples
 greyed, then the steps taken on 3 ranks after `--from_resume 1`. One row per optimizer step; a cell is
 a sample's index, coloured by the rank that trains it, grouped by rank and micro-batch; a hatched cell
 is a placeholder (a rank without data in the short last step). Who trains what comes from the trainer's
-own `epoch_order` and `SkipBatchSampler`, the step labels from its `step_in_epoch` (trainer_utils.py,
-section 3), so the picture shows what the trainer does.
+own `epoch_order` and `SkipBatchSampler` (trainer_utils.py, section 3), so the picture shows what the
+trainer does; a step's label is the number of global batches that reach the cursor (`step_in_epoch`).
 
     python scripts/draw_resume.py                      # -> docs/resume_2_to_3.png (the README's picture)
     python scripts/draw_resume.py --global_batch_size 0 --batch_size 4 4 --out /tmp/rescaled.png
@@ -26,11 +26,15 @@ from matplotlib.patches import Patch, Rectangle
 if __package__ in (None, ""):  # run as a file: the repository, not this folder, goes first on the import path
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from trainer.trainer_utils import (PLACEHOLDER_INDEX, SkipBatchSampler, epoch_order, resolve_accumulation,
-                                   step_in_epoch, steps_left)
+from trainer.trainer_utils import PLACEHOLDER_INDEX, SkipBatchSampler, epoch_order, resolve_accumulation, steps_left
 
 RANK_COLOURS = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
 TRAINED_GREY = "#d9d9d9"
+
+
+def step_in_epoch(num_samples: int, samples_consumed: int, global_batch: int) -> int:
+    """The step label of a cursor: optimizer steps of `global_batch` that reach `samples_consumed`."""
+    return steps_left(num_samples, 0, global_batch) - steps_left(num_samples, samples_consumed, global_batch)
 
 
 class Geometry(NamedTuple):

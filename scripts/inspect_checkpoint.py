@@ -120,7 +120,6 @@ def describe_resume(state: dict) -> list[str]:
     config = state.get("lm_config", {})
     lines = [
         f"epoch:            {state['epoch']} (0-based; the log calls it epoch {state['epoch'] + 1})",
-        f"step:             {state['step']} (optimizer step within the epoch)",
         f"global step:      {state['global_step']}",
         f"samples consumed: {consumed}",
         f"world size:       {state['world_size']}",

@@ -27,6 +27,7 @@ from conftest import PRETRAIN_RUN, REPO, Lines, assert_exit_code, child_env, run
 import output_paths
 from trainer.hardening import checkpoint_io as cio, durable_files
 from trainer.hardening.checkpoint_io import CheckpointError, RunFiles
+from trainer.trainer_utils import write_checkpoint_files
 
 
 def names(directory: Path, pattern: str) -> list[str]:
@@ -461,7 +462,7 @@ def test_checkpoint_files_get_the_mode_the_umask_gives(files, tmp_path, umask, m
     previous = os.umask(umask)
     try:
         out_path = tmp_path / "out" / "pretrain_32.pth"
-        cio.write_checkpoint_files(files, out_path, small_state(2), 2, {"epoch": 0, "global_step": 2})
+        write_checkpoint_files(files, out_path, {**small_state(2), "train_args": {}}, {"epoch": 0, "global_step": 2}, 2)
     finally:
         os.umask(previous)
     path = files.history_file(2)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.draw_resume import draw_resume, geometry, resume_assignment, trained_count
-from trainer.trainer_utils import PLACEHOLDER_INDEX, step_in_epoch
+from scripts.draw_resume import draw_resume, geometry, resume_assignment, step_in_epoch, trained_count
+from trainer.trainer_utils import PLACEHOLDER_INDEX
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 NUM_SAMPLES, STOP_STEP = 23, 2  # 23 = 3 full steps of 6 and a short one of 5 (or 2 of 8 and 7 left)

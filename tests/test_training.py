@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
 import torch
 
 from conftest import (REPO, TINY_MODEL, child_env, free_port, metrics_of, resume_file, run_args, trace_of, train)
 from dataset.lm_dataset import SFTDataset
 from model.model import CausalLM, LMConfig
 from model.tokenizer import PAD_ID, load_tokenizer
-from trainer.trainer_utils import Position, RunSpec, lm_checkpoint
+from trainer.hardening.checkpoint_io import RunFiles, save_verified
+from trainer.trainer_utils import Position, RunSpec, lm_checkpoint, load_checkpoint
 
 
 def step_losses(trace: list[dict]) -> list[float]:
@@ -83,10 +85,11 @@ def test_lm_checkpoint_round_trip(tmp_path):
     settings = {"batch_size": 8, "accumulation_steps": 1, "global_batch_size": None, "world_size": 1}
     run = RunSpec(settings=settings, data_fingerprint={"lines": 100}, num_samples=100,
                   global_batch=8, given_sizes={})
-    lm_checkpoint(config, "demo", model, optimizer, 1, 5, None, str(tmp_path / "out"), str(tmp_path / "ckpt"),
-                  position=Position(epoch=1, samples_consumed=40, global_step=17), run=run)
-    state = lm_checkpoint(config, weight="demo", checkpoint_dir=str(tmp_path / "ckpt"))  # minimind's call
-    assert (state["epoch"], state["step"], state["global_step"], state["samples_consumed"]) == (1, 5, 17, 40)
+    at = Position(epoch=1, samples_consumed=40, global_step=17)
+    kept = lm_checkpoint(config, "demo", model, optimizer, position=at, run=run, save_dir=str(tmp_path / "out"),
+                         checkpoint_dir=str(tmp_path / "ckpt"))
+    state = load_checkpoint(config, "demo", str(tmp_path / "ckpt"), run)
+    assert (state["epoch"], state["global_step"], state["samples_consumed"]) == (1, 17, 40) and "step" not in state
     assert state["train_args"] == run.settings and state["data_fingerprint"] == run.data_fingerprint
     for key, value in model.state_dict().items():
         assert torch.equal(state["model"][key], value)  # FP32 master weights, bit for bit
@@ -95,11 +98,25 @@ def test_lm_checkpoint_round_trip(tmp_path):
     assert torch.equal(restored.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
     fp16 = torch.load(tmp_path / "out" / "demo_32.pth", weights_only=True)
     assert fp16["model.embed_tokens.weight"].dtype == torch.float16
-    # With a different geometry the step is re-derived from the sample cursor: 40 of 100 at 16/step.
-    rescaled = lm_checkpoint(config, weight="demo", checkpoint_dir=str(tmp_path / "ckpt"),
-                             run=run._replace(global_batch=16))
-    # 100 samples at 16 per step: 7 steps an epoch, 4 left from sample 40, so this is step 3.
-    assert rescaled["step"] == 3 and rescaled["samples_consumed"] == 40
+    # On another global batch the position is the same sample cursor: no step label is rescaled.
+    other_batch = run._replace(global_batch=16)
+    assert load_checkpoint(config, "demo", str(tmp_path / "ckpt"), other_batch)["samples_consumed"] == 40
+    # A file of an earlier version also holds a "step" label (its steps into the epoch): it still resumes.
+    earlier = {**torch.load(kept, weights_only=True), "step": 5, "global_step": 18}
+    save_verified(RunFiles(tmp_path / "ckpt", "demo_32"), earlier, 18, 2, {"epoch": 1, "global_step": 18})
+    assert load_checkpoint(config, "demo", str(tmp_path / "ckpt"), run)["global_step"] == 18
+
+
+def test_lm_checkpoint_refuses_minimind_positional_epoch_and_step(tmp_path):
+    """minimind's call, lm_checkpoint(config, weight, model, optimizer, epoch, step, wandb, ...), would save no
+    sample cursor (a resume would train the epoch again): the position is required, by name."""
+    config = LMConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2)
+    model = CausalLM(config)
+    with pytest.raises(TypeError):
+        lm_checkpoint(config, "demo", model, torch.optim.AdamW(model.parameters()), 1, 5, None,
+                      str(tmp_path / "out"), str(tmp_path / "ckpt"))
+    assert not (tmp_path / "ckpt").exists()
 
 
 def test_two_node_launch_on_loopback_trains(tmp_path, pretrain_data):

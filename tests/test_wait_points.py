@@ -1,8 +1,8 @@
 """How often the host waits for the device changes nothing but when it waits.
 
 The loop reads its steps' numbers only at a log line, a validation, a save and the run's last step
-(trainer/hardening/step_judge.py); a non-finite step is skipped on the device before anyone looks. So the
-same run with --log_interval 1 (the host waits after every step) and with --log_interval 5 (it waits at
+(trainer_utils.read_on_host; the anomaly policy judges them then); a non-finite step is skipped on the device
+before anyone looks. So the same run with --log_interval 1 (the host waits after every step) and with --log_interval 5 (it waits at
 every 5th step and at the saves of every 4th) must end in the same state, bit for bit: weights, AdamW
 moments, every rank's RNG, the data position and the guard's memory; with the same trace, the same
 events and the same exit code. Under NaN and spike schedules for each policy, and a stop by a signal.

@@ -31,21 +31,22 @@ from torch.utils.data import DataLoader
 from dataset.lm_dataset import PackedPretrainDataset, PretrainDataset  # stage
 from model.tokenizer import load_tokenizer
 from trainer.hardening.anomaly import install_debug_injection
+from trainer.hardening.anomaly_policy import AnomalyPolicy, Rollback
 from trainer.hardening.background_save import BackgroundSaver, finish_saves
 from trainer.hardening.flag_checks import check_flags
 from trainer.hardening.operator_flags import add_operator_flags
 from trainer.hardening.process_exit import cleanup_distributed, run_script
+from trainer.hardening.process_group import init_distributed
 from trainer.hardening.resume_checks import data_fingerprint, resume_settings
 from trainer.hardening.run_lock import claim_run_directories
 from trainer.hardening.sharding import no_sync, shard_model
-from trainer.hardening.step_judge import Rollback, Step, StepJudge
-from trainer.hardening.stopping import end_of_run, loader_worker_ignores_stops
+from trainer.hardening.stopping import StopRequest, end_of_run, loader_worker_ignores_stops
 from trainer.hardening.tracking import Tracker, flops_per_token, validation_loss
-from trainer.trainer_utils import (REPO_ROOT, IndexedDataset, Position, RunSpec, SkipBatchSampler, epoch_order, get_lr,
-                                   given_sizes, init_distributed, init_model, lm_checkpoint, model_config,
-                                   optimizer_step, rank0_logger, resolve_accumulation, restore_training_state,
-                                   run_name, setup_seed, step_in_epoch, sum_over_ranks, total_steps, trained_indices,
-                                   unwrap)
+from trainer.trainer_utils import (REPO_ROOT, IndexedDataset, Position, RunSpec, SkipBatchSampler, Step, epoch_order,
+                                   get_lr, given_sizes, init_model, lm_checkpoint, load_checkpoint,
+                                   model_config, optimizer_step, rank0_logger, read_on_host, resolve_accumulation,
+                                   restore_training_state, run_name, setup_seed, sum_over_ranks, total_steps,
+                                   trained_samples, unwrap)
 
 
 def parse_args() -> argparse.Namespace:
@@ -87,9 +88,10 @@ def parse_args() -> argparse.Namespace:
     return check_flags(parser.parse_args())  # every value in its range, every path of its kind (exit 2)
 
 
-def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds, val_ds, run: RunSpec,
-                lm_config, dist_info, judge: StepJudge, tracker: Tracker, saver: BackgroundSaver) -> Position:
-    """Train from `at` to its epoch's end, a stop or --max_steps, saving at intervals; a rollback raises."""
+def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds, val_ds, run: RunSpec, lm_config,
+                dist_info, policy: AnomalyPolicy, stop: StopRequest, stop_at: float, tracker: Tracker,
+                saver: BackgroundSaver) -> tuple[Position, bool]:
+    """Train from `at` to the epoch's end (False), a stop, --max_steps or the run's end (True); a rollback raises."""
     n, global_batch, rank, world_size = run.num_samples, run.global_batch, dist_info.rank, dist_info.world_size
     sampler = SkipBatchSampler(epoch_order(args.seed, at.epoch, n), at.samples_consumed, global_batch,
                                args.batch_size, rank, world_size)
@@ -97,13 +99,16 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
     batches = iter(DataLoader(IndexedDataset(train_ds), batch_sampler=sampler, num_workers=args.num_workers,
                               pin_memory=dist_info.device.type == "cuda", worker_init_fn=loader_worker_ignores_stops,
                               generator=torch.Generator().manual_seed(args.seed * 1_000_003 + at.epoch)))
+    taken = []  # the steps since the host last read the device: (Step, its numbers, still on the device)
     for s in range(sampler.num_steps()):
         # ---- step N: the next global batch, split over ranks and micro-steps -------------------------
         micro_batches = [next(batches) for _ in range(sampler.micro_steps_per_step(s))]
         window = len(sampler.step_window(s))
+        # Anomaly policy (optional): after a rollback a lower LR; a window that went wrong: LR 0, not applied
+        lr_scale, stepped_over = policy.before_step(at)
         # The LR at the position this step reaches, so the first step already trains.
         progress = (at.epoch * n + at.samples_consumed + window) / (args.epochs * n)
-        lr = get_lr(progress, args.learning_rate, args.warmup_ratio) * judge.lr_scale  # (lower after a rollback)
+        lr = get_lr(progress, args.learning_rate, args.warmup_ratio) * lr_scale
         on_device = [(x.to(dist_info.device, non_blocking=True), y.to(dist_info.device, non_blocking=True))
                      for _, x, y in micro_batches]
         # The loss is a sum over tokens divided by the tokens with a label in the WHOLE global batch
@@ -114,7 +119,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
         loss_sum = torch.zeros((), dtype=torch.float64, device=dist_info.device)
         for i, (input_ids, labels) in enumerate(on_device):
             # Only the last micro-step all-reduces the gradients; the others just accumulate.
-            with no_sync(model) if i < len(on_device) - 1 else nullcontext():
+            with no_sync(model, accumulate_only=i < len(on_device) - 1):
                 with autocast:
                     out = model(input_ids, labels=labels, loss_reduction="sum")
                     loss = out.loss * loss_scale + out.aux_loss / len(on_device)
@@ -124,37 +129,43 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        stepped_over = judge.steps_over(at.epoch, at.samples_consumed)  # a window that went wrong before a rollback
         # AdamW's step: skipped on the device, with no wait, where a gradient is not finite (or stepped_over)
         optimizer_step(optimizer, scaler, grad_norm, skip=stepped_over)
         optimizer.zero_grad(set_to_none=True)
-        after = at.after(window, n)
-        step = Step(after.global_step, at.epoch, at.samples_consumed, after.samples_consumed, lr,
-                    trained_indices(micro_batches), sum(x.numel() for x, _ in on_device))
-        judge.add(step, loss_sum, local_tokens, global_tokens, grad_norm, stepped_over)  # (kept on the device)
-        at = after
+        # Step N's numbers stay on the device: reading one (`.item()`) would make the host wait for the GPU.
+        taken.append((Step(at.global_step + 1, at.epoch, at.samples_consumed, lr, stepped_over,
+                           *trained_samples(micro_batches)),  # (its sample indices, its input tokens)
+                      [loss_sum, local_tokens, global_tokens, grad_norm]))
+        at = at.after(window, n)
+        tracker.step_taken(at.global_step)  # the first prints "first step done": a sign of life on a slow machine
         # ---- step N's log line, validation and save, at their intervals ------------------------------
-        last = judge.last_step(args.max_steps) or at.epoch == args.epochs  # a stop on any rank, --max_steps, the end
+        # The stop vote: a signal (SIGTERM, Ctrl-C) on any rank, or a failed background save (all ranks raise)? On
+        # several ranks it costs an all-reduce of two numbers per step between the hosts (gloo: no GPU wait).
+        last = stop.vote(saver) or at.global_step >= stop_at or at.epoch == args.epochs  # or --max_steps, the end
         log_now = at.global_step % args.log_interval == 0 or at.samples_consumed == 0 or last
         validate = val_ds is not None and (at.global_step % args.eval_interval == 0 or last)
         save_now = at.global_step % args.save_interval == 0 or at.samples_consumed == 0 or last
         if log_now or validate or save_now:  # the host waits for the device here only, as for minimind's loss.item()
-            metrics = judge.settle()  # the steps since the last wait, judged in order: Rollback, AnomalyStop raise
-        if log_now:
-            tracker.log(metrics, at.global_step, total_steps(at, n, global_batch, args.epochs))
+            read, taken = read_on_host(taken), []  # one transfer: the numbers of every step since the last wait
+            for step, numbers in read:  # in step order
+                verdict = policy.judge(step, numbers)  # anomaly policy: a bad step raises Rollback or AnomalyStop
+                tracker.step(step, numbers, verdict)  # its trace line (--save_debug_train_output), tokens/s
+        if log_now:  # step N's line (the last one read): the loss over the global batch, its LR and grad norm
+            tracker.log({"epoch": step.epoch, "samples_consumed": at.samples_consumed, "loss": numbers.loss,
+                         "lr": step.lr, "grad_norm": numbers.grad_norm},
+                        at.global_step, total_steps(at, n, global_batch, args.epochs))
         if validate:
             tracker.validation(at.global_step, validation_loss(unwrap(model), val_ds, args.batch_size,
                                                                dist_info.device, autocast))
         if save_now:
             started = time.perf_counter()
-            kept = lm_checkpoint(lm_config, args.save_weight, model, optimizer, at.epoch,
-                                 step_in_epoch(n, at.samples_consumed, global_batch), save_dir=args.save_dir,
-                                 checkpoint_dir=args.checkpoint_dir, position=at, scaler=scaler, run=run,
-                                 anomaly_state=judge.guard.state_dict(), trackers=tracker.runs, saver=saver)
+            kept = lm_checkpoint(lm_config, args.save_weight, model, optimizer, position=at, run=run,
+                                 save_dir=args.save_dir, checkpoint_dir=args.checkpoint_dir, scaler=scaler,
+                                 anomaly_state=policy.state_dict(), trackers=tracker.runs, saver=saver)
             tracker.saved(at.global_step, kept, time.perf_counter() - started)  # the time it blocked training
         if last:
-            break
-    return at
+            return at, True
+    return at, False
 
 
 def main() -> None:
@@ -182,7 +193,7 @@ def main() -> None:
     lm_config = model_config(args, tokenizer.get_vocab_size())
     claim_run_directories(args, run_name(args.save_weight, lm_config), log)  # one trainer per directory
     resume = bool(args.from_resume or args.resume_path)
-    state = lm_checkpoint(lm_config, args.save_weight, checkpoint_dir=args.checkpoint_dir, run=run) if resume else None
+    state = load_checkpoint(lm_config, args.save_weight, args.checkpoint_dir, run) if resume else None
     model, lm_config = init_model(args, lm_config, log, resume_state=state)  # weights: section 5, --from_weight
     use_cuda, dtype = device.type == "cuda", getattr(torch, args.dtype)
     # FP32 master weights, bf16 (or fp16 + GradScaler) autocast on CUDA; fsdp: a slice per rank (sharding.py)
@@ -192,7 +203,7 @@ def main() -> None:
     autocast = torch.autocast("cuda", dtype=dtype) if use_cuda and dtype != torch.float32 else nullcontext()
     scaler = torch.amp.GradScaler("cuda", enabled=use_cuda and dtype == torch.float16)
 
-    # ---- 5. Resume: weights, optimizer, RNG and the data position (lm_checkpoint checked the rest) -
+    # ---- 5. Resume: weights, optimizer, RNG and the data position (load_checkpoint checked the rest)
     setup_seed(args.seed + rank)  # ranks differ in dropout noise; a resume on the same world size restores it
     at = Position()  # epoch 0, no sample consumed, no step taken
     if state is not None:
@@ -209,26 +220,27 @@ def main() -> None:
                                                             lm_config.hidden_size, args.max_seq_len))
     saver = BackgroundSaver(bool(args.async_save), use_cuda, args.keep_last, bool(args.gather_weights),
                             args.tokenizer_path if args.save_hf else None, optimizer)  # rank 0 writes (fsdp: all)
-    # The guard's verdicts, reached where the host waits for the device anyway (hardening/step_judge.py)
-    judge = StepJudge(args, tracker, saver, not scaler.is_enabled(), dist_info, at.global_step,
-                      state["anomaly"] if state else {}, log)  # (a resume keeps the guard's memory)
-    install_debug_injection(model, args.debug_inject, current_step=judge.step_in_progress)  # --debug_inject only
+    stop = StopRequest()  # SIGTERM / Ctrl-C: the step in progress finishes, is saved, and the run exits 0
+    policy = AnomalyPolicy(args, tracker, not scaler.is_enabled(), state["anomaly"] if state else {}, log)  # memory
+    install_debug_injection(model, args.debug_inject, current_step=policy.step_in_progress)  # --debug_inject only
     if args.use_compile and args.parallel == "ddp":  # (FSDP compiled each layer as it sharded it)
         model = torch.compile(model, backend=args.compile_backend)
     if world_size > 1 and args.parallel == "ddp":
         model = DistributedDataParallel(model, device_ids=[dist_info.local_rank] if use_cuda else None)
 
     # ---- 7. Train, epoch by epoch, from the resumed position, to the end, a stop or --max_steps -----
+    stop_at, stopped = at.global_step + (args.max_steps or float("inf")), False  # --max_steps: of this invocation
     with tracker, saver:  # on an error: the save in flight completes and the status file says "failed"
-        while at.epoch < args.epochs and not judge.stopped:
+        while at.epoch < args.epochs and not stopped:
             try:
-                at = train_epoch(args, at, model, optimizer, scaler, autocast, train_ds, val_ds, run, lm_config,
-                                 dist_info, judge, tracker, saver)
+                at, stopped = train_epoch(args, at, model, optimizer, scaler, autocast, train_ds, val_ds, run,
+                                          lm_config, dist_info, policy, stop, stop_at, tracker, saver)
             except Rollback as rollback:  # back to the newest checkpoint; the bad window is stepped over
                 optimizer.zero_grad(set_to_none=True)
                 finish_saves(saver)  # the newest checkpoint must be complete before we look for it
-                state = lm_checkpoint(lm_config, args.save_weight, checkpoint_dir=args.checkpoint_dir, run=run)
-                at = Position(*judge.rolled_back(rollback, state))  # no checkpoint yet: AnomalyStop
+                state = load_checkpoint(lm_config, args.save_weight, args.checkpoint_dir, run)
+                at = Position(*policy.rolled_back(rollback, state))  # no checkpoint yet: AnomalyStop
+                stop_at -= rollback.step.number - 1 - at.global_step  # (steps trained again count again)
                 restore_training_state(state, model, optimizer, scaler, rank, world_size)
                 tracker.rollback(at.global_step, total_steps(at, n, global_batch, args.epochs))
         # ---- 8. The end: the last save on disk, then the run's status ------------------------------
@@ -236,7 +248,7 @@ def main() -> None:
         tracker.finish("stopped" if at.epoch < args.epochs else "completed")
 
     # ---- 9. Cleanup ------------------------------------------------------------------------------
-    log(end_of_run(at, args, judge.stop.signal, world_size))
+    log(end_of_run(at, args, stop.signal, world_size))
     del model, optimizer  # the DDP wrapper goes while the process group still exists
     cleanup_distributed()
 

@@ -3,7 +3,7 @@
 The library has no test hooks: a test (or benchmarks/soak_kill.py) puts this directory on the child's
 PYTHONPATH, and Python imports `sitecustomize` at start-up. With the variables unset it does nothing.
 
-    FAULT_STEP_DELAY_S  sleep in each optimizer step, once it is taken (`StepJudge.add`)
+    FAULT_STEP_DELAY_S  sleep in each optimizer step, once it is taken (`Tracker.step_taken`)
     FAULT_SIGNAL_AT_STEP  SIGTERM to the training process itself once that step is taken, as a scheduler
                         would send it at that moment (once per process)
     FAULT_SIGNAL_RANK   with the above, only this rank signals itself (the others learn it from the vote)
@@ -52,18 +52,18 @@ def sleep_after(function, seconds: float):
     return slowed
 
 
-def patch_step_judge(module) -> None:
-    add = sleep_after(module.StepJudge.add, STEP_DELAY)
+def patch_tracking(module) -> None:
+    step_taken = sleep_after(module.Tracker.step_taken, STEP_DELAY)
     signalled = []
 
-    @functools.wraps(add)
-    def add_then_signal(judge, step, *args, **kwargs):
-        add(judge, step, *args, **kwargs)
-        if step.number == SIGNAL_AT_STEP and SIGNAL_HERE and not signalled:
-            signalled.append(step.number)
+    @functools.wraps(step_taken)
+    def step_taken_then_signal(tracker, step, *args, **kwargs):
+        step_taken(tracker, step, *args, **kwargs)
+        if step == SIGNAL_AT_STEP and SIGNAL_HERE and not signalled:  # before the stop vote of that step
+            signalled.append(step)
             os.kill(os.getpid(), signal.SIGTERM)
 
-    module.StepJudge.add = add_then_signal
+    module.Tracker.step_taken = step_taken_then_signal
 
 
 STAGE = SAVE_DELAY / 4
@@ -110,7 +110,7 @@ def patch_dcp_files(module) -> None:
 
 PATCHES = {}
 if STEP_DELAY > 0 or SIGNAL_AT_STEP:
-    PATCHES["trainer.hardening.step_judge"] = patch_step_judge
+    PATCHES["trainer.hardening.tracking"] = patch_tracking
 if SAVE_DELAY > 0 or DISK_FULL_AT_STEP:
     PATCHES["output_paths"] = patch_output_paths  # where atomic_write lives (trainer and exports share it)
     PATCHES["trainer.hardening.checkpoint_io"] = patch_checkpoint_io

@@ -14,7 +14,7 @@ without talking:
 
 When: a step whose gradients are not finite is skipped on the device before any verdict
 (trainer_utils.optimizer_step); the others are applied. The host judges every step later, in step
-order, where it waits for the device anyway (step_judge.py): a log line, a validation, a save, the run's
+order, where it waits for the device anyway (anomaly_policy.py): a log line, a validation, a save, the run's
 end. So a spike under `stop` ends the run before anything holds it, and under `rollback` the run goes
 back to a checkpoint from before it. A non-finite step is never applied. The guard's memory (history,
 rollbacks, windows to skip) is saved in every checkpoint, so a resume keeps it. `--debug_inject` shows

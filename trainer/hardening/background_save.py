@@ -57,11 +57,17 @@ class BackgroundSaver:
             self.error = lock_lost()
         return self.error is not None
 
-    def submit(self, state: dict, write: Callable[[dict], None]) -> None:
-        """Copy `state` to CPU memory, then `write(copy)` (in the background, after the previous write)."""
-        self.wait()  # at most one save in flight: its buffers are about to be reused
-        copy = self.snapshot(state)
-        self.run(lambda: (self._copies_landed(), write(copy)))
+    def copy(self, state: dict) -> dict:
+        """`state` with every tensor copied into this saver's CPU buffers, as it is now (on CUDA: queued on the
+        side stream; the next optimizer step waits for it). First waits for the write in flight: its buffers are
+        about to be reused (at most one save in flight)."""
+        self.wait()
+        return self.snapshot(state)
+
+    def write(self, function: Callable[..., None], *args) -> None:
+        """`function(*args)`, a write of what `copy` returned, once the copies have landed: in a thread when
+        `background`, else now."""
+        self.run(lambda: (self._copies_landed(), function(*args)))
 
     def run(self, job: Callable[[], None]) -> None:
         """Run `job`, a write whose data is copied already: in a thread when `background`, else now."""

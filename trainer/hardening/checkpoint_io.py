@@ -339,23 +339,12 @@ def _set_aside_failed(files: RunFiles, good: Path, failed: list[tuple[Path, str]
     log(f"using older checkpoint {good} instead")
 
 
-# ---- what lm_checkpoint calls ------------------------------------------------------------------
+# ---- the out/ file: FP16 weights, and what the run was trained at --------------------------------
 
 def cast_state_dict(state_dict: dict, dtype: torch.dtype) -> dict:
     """CPU copies in `dtype` that keep tied tensors tied (embedding = lm_head), so files hold them once."""
     converted = {}
     return {name: converted.setdefault(t.data_ptr(), t.detach().to("cpu", dtype)) for name, t in state_dict.items()}
-
-
-def write_checkpoint_files(files: RunFiles, out_path: Path, state: dict, keep_last: int, info: dict,
-                           still_held: Callable[[], None] = no_check) -> None:
-    """Write `out/{run}.pth` (FP16 weights) and the verified resume checkpoint (`still_held`: see save_verified)."""
-    weights = cast_state_dict(state["model"], torch.float16)
-    try:
-        write_out_weights(out_path, weights, state.get("train_args", {}), still_held)
-    except OSError as error:
-        raise CheckpointError(f"could not write {out_path}: {error}") from error
-    save_verified(files, state, info["global_step"], keep_last, info, still_held)
 
 
 # What out/{run}.json holds, of the run's settings (those a run has: LoRA's are None elsewhere).
@@ -369,11 +358,14 @@ def write_out_weights(out_path: Path, weights: dict, train_args: dict,
     for a LoRA adapter also its "lora_rank", "lora_alpha", "lora_targets" and the base it was trained on,
     "base_file" and "base_sha256" (model/lora.py reads them). The .pth stays a plain state dict, as minimind's
     loaders expect."""
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(out_path, lambda f: torch.save(weights, f), still_held)
-    if "max_seq_len" in train_args:  # absent only in a state saved without a RunSpec (some tests)
-        sidecar = {key: train_args[key] for key in OUT_SIDECAR_KEYS if train_args.get(key) is not None}
-        atomic_write_text(out_path.with_suffix(".json"), json.dumps(sidecar) + "\n", still_held)
+    try:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(out_path, lambda f: torch.save(weights, f), still_held)
+        if "max_seq_len" in train_args:  # absent only in a state made by hand (some tests)
+            sidecar = {key: train_args[key] for key in OUT_SIDECAR_KEYS if train_args.get(key) is not None}
+            atomic_write_text(out_path.with_suffix(".json"), json.dumps(sidecar) + "\n", still_held)
+    except OSError as error:
+        raise CheckpointError(f"could not write {out_path}: {error}") from error
 
 
 def load_newest(files: RunFiles, resume_path: str | None, log: Callable[[str], None]) -> dict | None:

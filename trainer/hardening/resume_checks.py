@@ -3,12 +3,13 @@
 A resume continues the run exactly only if the model config, the data file and the settings that decide
 which samples form a step and the LR curve are unchanged. `check_resume_compatible` refuses any other
 change with a diff naming each field, and says what it adapted (a new world size under a fixed
---global_batch_size). Called once, from `lm_checkpoint`'s load branch in trainer_utils.py.
+--global_batch_size). Called once, from trainer_utils.load_checkpoint (checked_for_resume).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 
 # Settings that decide which samples form a step or the LR curve: refused when they differ on resume
 # (world size may change; batch geometry is checked separately).
@@ -103,7 +104,28 @@ def check_resume_compatible(saved: dict, lm_config: dict, fingerprint: dict, tra
     return notes
 
 
+def checked_for_resume(state: dict, lm_config, run, log) -> dict:
+    """The state a resume continues from, checked against this run (`run`: trainer_utils.RunSpec): a minimind
+    file converted first (from_minimind_layout), sizes no flag gives taken from the checkpoint, then
+    check_resume_compatible; logs what was adapted and where training continues."""
+    if is_minimind_layout(state):
+        state = from_minimind_layout(state, lm_config, run, log)
+    try:  # sizes no flag gives are the checkpoint's own, as with --from_weight's file
+        lm_config = type(lm_config).from_dict({**state["lm_config"], **run.given_sizes})
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"{state['resumed_from']}: its model config does not fit this version ({error})")
+    for note in check_resume_compatible(state, lm_config.to_dict(), run.data_fingerprint, run.settings):
+        log(f"resume: {note}")
+    log(resume_summary(state, run.settings["world_size"], run.global_batch))
+    return state
+
+
 # ---- minimind's resume files ----------------------------------------------------------------
+#
+# minimind's train_epoch counts `step` over its loader, one micro-batch of batch_size per rank
+# (`enumerate(loader, start=start_step + 1)`), and saves it with the epoch. Its loader resumes by
+# skipping `step` micro-batches on each rank, and its lm_checkpoint, loading on another GPU count,
+# rescales `step * saved_ws // current_ws`: both keep step x batch_size x world_size samples consumed.
 
 MINIMIND_KEYS = {"model", "optimizer", "epoch", "step", "world_size"}
 
@@ -113,25 +135,25 @@ def is_minimind_layout(state: dict) -> bool:
     return MINIMIND_KEYS <= set(state) and "samples_consumed" not in state
 
 
-def from_minimind_layout(raw: dict, lm_config, fingerprint: dict, train_args: dict, num_samples: int,
-                         log) -> dict:
-    """This project's resume state from a minimind one: weights, optimizer, epoch and position kept.
-    minimind's `step` counts each rank's micro-batches in the epoch, so samples consumed = step x
-    batch_size (this run's: minimind does not save its own) x world_size. The log says what is lost."""
-    batch_size = train_args["batch_size"]
-    samples = min(int(raw["step"]) * batch_size * int(raw["world_size"]), num_samples)
+def from_minimind_layout(raw: dict, lm_config, run, log) -> dict:
+    """This project's resume state from a minimind one: weights, optimizer, epoch and position kept. Samples
+    consumed = step x batch_size (this run's: minimind does not save its own) x the saved world size, as
+    minimind's own resume skips; the global step counts this run's steps up to there. The log says what is lost."""
+    batch_size, n, global_batch = run.settings["batch_size"], run.num_samples, run.global_batch
+    samples = min(int(raw["step"]) * batch_size * int(raw["world_size"]), n)
     log(f"resume: {raw['resumed_from']} is a minimind resume file: weights (fp16 -> fp32), optimizer, epoch "
         f"{int(raw['epoch']) + 1} and {samples} samples consumed (step {raw['step']} x batch_size "
         f"{batch_size} x world size {raw['world_size']}) are restored. Not restored: the exact sample "
         f"cursor (minimind's data order differs, so which samples of this epoch were trained is unknown), the "
         f"RNG states, and the checks of model config, data and settings (the weights still load strictly)")
+    steps_per_epoch = math.ceil(n / global_batch)  # minimind's file does not count the steps of earlier epochs
     return {
         "model": {name: t.float() for name, t in raw["model"].items()},
         "optimizer": raw["optimizer"], "scaler": raw.get("scaler"),
-        "epoch": int(raw["epoch"]), "samples_consumed": samples, "step": int(raw["step"]),
-        "global_step": None,  # not recorded: lm_checkpoint counts it from the position
+        "epoch": int(raw["epoch"]), "samples_consumed": samples,
+        "global_step": int(raw["epoch"]) * steps_per_epoch + steps_per_epoch - math.ceil((n - samples) / global_batch),
         "world_size": int(raw["world_size"]), "rng": [],  # no RNG states: every rank keeps its fresh seed
-        "lm_config": lm_config.to_dict(), "data_fingerprint": fingerprint, "train_args": train_args,
+        "lm_config": lm_config.to_dict(), "data_fingerprint": run.data_fingerprint, "train_args": run.settings,
         "tracker_ids": {"wandb": raw.get("wandb_id"), "swanlab": None}, "resumed_from": raw["resumed_from"],
         "anomaly": {}, "from_minimind": True,
     }

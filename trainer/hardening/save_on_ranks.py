@@ -1,22 +1,16 @@
-"""Saving on every rank together: lm_checkpoint's save in three calls.
+"""Saving on every rank together: what lm_checkpoint (trainer_utils.py) asks of all ranks, before and after.
 
 `gather_rng_states`: every rank's RNG state, in rank order (a resume on the same world size restores
-each rank's own); and whether this run still owns its directories (run_lock.py). `write_checkpoint`: the
-state handed to the saver, as one file through checkpoint_io, or, for a sharded (FSDP) model, every rank's
-slices. `raise_on_every_rank`: a rank that could not save makes every rank raise, so no rank waits in a
-collective for a peer that has left.
+each rank's own); and whether this run still owns its directories (run_lock.py). `raise_on_every_rank`: a
+rank that could not save makes every rank raise, so no rank waits in a collective for a peer that has left.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch.distributed as dist
 
-from trainer.hardening import checkpoint_io, sharding
-from trainer.hardening.background_save import BackgroundSaver
-from trainer.hardening.checkpoint_io import CheckpointError, RunFiles
-from trainer.hardening.run_lock import LockLost, lock_lost, lost_on_another_rank, raise_if_lock_lost
+from trainer.hardening.checkpoint_io import CheckpointError
+from trainer.hardening.run_lock import LockLost, lock_lost, lost_on_another_rank
 
 
 def gather_rng_states(global_step: int, rng_state: dict) -> list[dict]:
@@ -37,21 +31,6 @@ def gather_rng_states(global_step: int, rng_state: dict) -> list[dict]:
         raise CheckpointError(f"the ranks are saving different steps {[s for s, _, _ in gathered]}: a bug; "
                               f"nothing was written (rank {dist.get_rank()} is at {global_step})")
     return [rng for _, rng, _ in gathered]
-
-
-def write_checkpoint(files: RunFiles, state: dict, model, optimizer, out_path: Path, info: dict,
-                     saver: BackgroundSaver) -> Path:
-    """Hand the state to the saver: one file through checkpoint_io, or, for FSDP, every rank's slices."""
-    if sharding.is_sharded(model):  # every rank writes its slices, rank 0 the rest (sharding.py)
-        return sharding.save_sharded(files, state, model, optimizer, out_path, saver.keep_last, info, saver,
-                                     saver.gather_weights)
-
-    def write_unless_lock_lost(copy: dict) -> None:  # in the writer's thread: the lock may be lost by now
-        raise_if_lock_lost()  # and again right before each file is committed: a save takes seconds
-        checkpoint_io.write_checkpoint_files(files, out_path, copy, saver.keep_last, info, raise_if_lock_lost)
-
-    saver.submit(state, write_unless_lock_lost)
-    return files.history_file(info["global_step"])
 
 
 def raise_on_every_rank(error: BaseException | None) -> None:

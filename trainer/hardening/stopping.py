@@ -1,6 +1,6 @@
 """How a run stops on a signal: SIGTERM (a preemptible machine going away) and Ctrl-C only set a flag;
 the loop finishes the optimizer step it is in, saves, and exits 0 with `continue_command`'s line. The
-ranks agree on that step by a vote after every step (`StopRequest.agreed`), on the host.
+ranks agree on that step by a vote after every step (`StopRequest.vote`, a line of the loop), on the host.
 Any later signal changes nothing (see `StopRequest`): the stop-save completes on every rank, its DataLoader
 workers included (`loader_worker_ignores_stops`)."""
 
@@ -15,6 +15,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from trainer.hardening.background_save import finish_saves
 
 
 class StopRequest:
@@ -42,15 +44,17 @@ class StopRequest:
         if dist.is_initialized() and dist.get_backend() != "gloo":
             self._vote_group = dist.new_group(backend="gloo")
 
-    def agreed(self, save_failed: bool) -> tuple[bool, bool]:
-        """(a stop was requested, a save failed) on any rank. Every rank calls it after every step: one
-        all-reduce of two numbers between the hosts, so all ranks stop after the same step, and no rank
-        waits for its device."""
-        flags = torch.tensor([self.signal is not None, save_failed], dtype=torch.int32)
+    def vote(self, saver) -> bool:
+        """True if a stop was requested on any rank. Every rank calls it after every step: one all-reduce of two
+        numbers between the hosts, so all ranks stop after the same step, and no rank waits for its device. If a
+        rank's background save failed or its directory lock was lost (`saver.failed`), every rank raises here."""
+        flags = torch.tensor([self.signal is not None, saver.failed], dtype=torch.int32)
         if dist.is_initialized():
             dist.all_reduce(flags, group=self._vote_group)
-        stop, failed = flags.tolist()
-        return stop > 0, failed > 0
+        stop, save_failed = flags.tolist()
+        if save_failed:
+            finish_saves(saver)  # raises on every rank: the writer's error, or LockLost (run_lock.py)
+        return stop > 0
 
     def _request(self, signum, frame) -> None:
         name, now = signal.Signals(signum).name, time.monotonic()

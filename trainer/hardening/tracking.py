@@ -1,8 +1,8 @@
 """Where a run's numbers go (console, metrics/status files, wandb, SwanLab, the debug trace), and the
 validation loss and bits per byte.
 
-The loop calls one object, `Tracker`: `step` for every optimizer step (when the steps since the last
-wait are judged: step_judge.py), `log` at log steps, and
+The loop calls one object, `Tracker`: `step_taken` as each optimizer step is taken, `step` for each step
+once its numbers are read (at the next log line, validation or save), `log` at log steps, and
 `validation`, `anomaly`, `rollback`, `saved`, `finish` when those happen. Rank 0 fans each call out to
 the --logger backends; every rank writes its own lines of the --save_debug_train_output trace (a run
 with --from_resume 1 first cuts it back to the step it starts from, as the metrics file is; a fresh run
@@ -238,7 +238,8 @@ class Tracker:
         self.started = self.last_log = time.perf_counter()
         self.current_step = self.last_log_step = start_step
         self.steps_done, self.tokens, self.saves, self.save_blocked_s = 0, 0, 0, 0.0
-        self.log_interval, self.async_save = args.log_interval, bool(args.async_save)
+        self.log_interval, self.async_save, self.first_taken = args.log_interval, bool(args.async_save), False
+        self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         self.last_finished = (None, None)  # (step, Unix time): one tuple, so the heartbeat never reads half
         self.stop_beating, self.heartbeat = threading.Event(), None
         if self.files is not None:
@@ -261,19 +262,30 @@ class Tracker:
             self.heartbeat.join(timeout=2 * HEARTBEAT_S)  # a beat mid-write finishes; a hung disk is not waited on
             self.heartbeat = None
 
-    def first_step(self, step: int) -> None:
-        """The first optimizer step of this invocation is taken: the first sign of life a slow machine's user gets."""
-        if self.is_main:
+    def step_taken(self, step: int) -> None:
+        """Optimizer step `step` is taken (its numbers are still on the device). After this invocation's first:
+        "first step done", the first sign of life a slow machine's user gets."""
+        if self.is_main and not self.first_taken:
             print(f"first step done after {time.perf_counter() - self.started:.1f} s (step {step}; "
                   f"a log line every {self.log_interval} steps)", flush=True)
+        self.first_taken = True
 
-    def step(self, record: dict, tokens: int) -> None:
-        """Every optimizer step, judged (at the next log line or save), on every rank: the trace line, and the
-        tokens (of all ranks) for tokens/s."""
+    def step(self, step, numbers, verdict: tuple[str, str]) -> None:
+        """Every optimizer step, once the host has read its numbers (trainer_utils.Step, StepNumbers) and the
+        anomaly policy its `verdict`, on every rank: its trace line, and its tokens (of all ranks) for tokens/s."""
+        action, reason = verdict
         if self.trace is not None and lock_lost() is None:  # once another run holds the directory, its trace too
+            record = {"step": step.number, "epoch": step.epoch, "rank": self.rank, "world_size": self.world_size,
+                      "samples": step.samples if action == "apply" else [],
+                      "loss": numbers.loss_sum / max(numbers.local_tokens, 1), "loss_sum": numbers.loss_sum,
+                      "local_tokens": numbers.local_tokens, "global_loss": numbers.loss, "grad_norm": numbers.grad_norm,
+                      "lr": step.lr}
+            if action != "apply":
+                record.update(skipped=True, skipped_samples=step.samples, anomaly=reason)
             os.write(self.trace, (json.dumps(record) + "\n").encode("utf-8"))
-        self.last_finished = (record["step"], time.time())
-        self.current_step, self.steps_done, self.tokens = record["step"], self.steps_done + 1, self.tokens + tokens
+        self.last_finished = (step.number, time.time())
+        self.current_step, self.steps_done = step.number, self.steps_done + 1
+        self.tokens += numbers.all_input_tokens
 
     def log(self, metrics: dict, step: int, total_steps: int) -> None:
         """Training metrics of `step`, plus the throughput since the previous log (rank 0 sends them)."""

@@ -1,0 +1,35 @@
+"""A dataset whose items carry their index, and the placeholder row of a short window.
+
+The sampler (trainer/trainer_utils.py: SkipBatchSampler) hands every rank as many micro-batches as rank 0 in
+an epoch's short last step, as DDP needs; a rank without data for one gets [PLACEHOLDER_INDEX], which becomes
+a row whose labels are all ignored: it adds nothing to the loss or the gradient. The index goes with each row
+into the debug trace (--save_debug_train_output), which lists the samples each step trained.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import Dataset
+
+PLACEHOLDER_INDEX = -1
+
+
+def trained_samples(micro_batches: list) -> tuple[list[int], int]:
+    """The sample indices in a step's micro-batches (as IndexedDataset yields them, placeholders left out), and
+    the input tokens of those micro-batches (for tokens/s)."""
+    return ([int(i) for indices, _, _ in micro_batches for i in indices if i != PLACEHOLDER_INDEX],
+            sum(input_ids.numel() for _, input_ids, _ in micro_batches))
+
+
+class IndexedDataset(Dataset):
+    """Items carry their index (for the debug trace); the placeholder is a row with every label ignored."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        input_ids, labels = self.dataset[max(index, 0)]
+        return index, input_ids, labels if index != PLACEHOLDER_INDEX else torch.full_like(labels, -100)

@@ -1,0 +1,103 @@
+"""The anomaly policy, --on_anomaly warn | stop | rollback: what the loop does about a bad step. Optional: the
+loop trains the same without it, and a first reading skips it. The loop enters it by three lines:
+
+    lr_scale, stepped_over = policy.before_step(at)   before step N: after a rollback the LR is scaled down
+                                                      (--rollback_lr_factor), and the window that went wrong is
+                                                      trained at LR 0 and not applied (stepped over)
+    policy.judge(step, numbers)                       where the host has read step N's numbers (the log line,
+                                                      a validation, a save): the verdict (anomaly.py); a bad step
+                                                      raises AnomalyStop (stop) or Rollback (rollback)
+    policy.rolled_back(rollback, state)               section 7, after a Rollback: the window to step over from
+                                                      now on, and the position of the checkpoint to go back to
+
+It reads the numbers the loop keeps (trainer_utils.read_on_host); it does not own them. A non-finite step
+needs no verdict first: the optimizer skips it on the device (trainer_utils.optimizer_step). A spike is
+applied, and judged at the next wait, which always comes before a save: so no checkpoint holds a step the
+policy rejects. Under stop the run ends there, its newest checkpoint from before the spike; under rollback
+it goes back to that checkpoint and steps over the window that went wrong. The verdicts do not depend on how
+often the host waits: the same numbers, in the same order, against the same history (tests/test_wait_points.py).
+Its memory (history, rollbacks, windows to step over) is saved in every checkpoint (`state_dict`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from trainer.hardening.anomaly import NOT_TRAINING, AnomalyGuard, AnomalyStop
+
+STEPPED_OVER = "stepped over: this window caused an anomaly before a rollback"
+
+
+def stop_message(reason: str) -> str:
+    """What a stop says: a bad step stops the run before any save holds it. A run of skipped steps held nothing
+    either (no skipped step changed a weight); its reason says what to try instead."""
+    return reason if reason.startswith(NOT_TRAINING) else f"{reason}. The newest checkpoint is from before it."
+
+
+class Rollback(Exception):
+    """An anomaly under --on_anomaly rollback: the epoch loop goes back to the newest checkpoint."""
+
+    def __init__(self, step, reason: str):
+        super().__init__(reason)
+        self.step, self.reason = step, reason  # step: trainer_utils.Step, the bad one
+
+
+class AnomalyPolicy:
+    """--on_anomaly applied to each step read from the device, in step order, and the windows to step over."""
+
+    def __init__(self, args, tracker, gradients_finite_expected: bool, guard_state: dict,
+                 log: Callable[[str], None]):
+        """`gradients_finite_expected`: False under fp16 GradScaler, where an inf gradient is routine.
+        `guard_state`: a resumed run's memory ({} for a new run)."""
+        self.guard = AnomalyGuard(args.on_anomaly, args.patience, args.max_rollbacks, args.rollback_lr_factor,
+                                  args.max_skipped_steps)
+        self.guard.load_state_dict(guard_state)  # its history, rollbacks and the windows to step over
+        self.tracker, self.log, self.policy = tracker, log, args.on_anomaly
+        self.finite_expected = gradients_finite_expected
+        self.next_step = 0  # the step whose forward and backward run now
+
+    def step_in_progress(self) -> int:
+        """The number of the step whose forward and backward run now (--debug_inject reads it)."""
+        return self.next_step
+
+    def before_step(self, at) -> tuple[float, bool]:
+        """(LR multiplier, stepped over) for the step from position `at` (trainer_utils.Position): the multiplier
+        is lower after each rollback, and 0 for a window that went wrong before a rollback: it is trained (the same
+        samples and RNG draws as before) and its update is not applied."""
+        self.next_step = at.global_step + 1
+        if not self.guard.should_skip(at.epoch, at.samples_consumed):
+            return self.guard.lr_scale, False
+        self.log(f"{STEPPED_OVER} (sample {at.samples_consumed} of epoch {at.epoch + 1})")
+        return 0.0, True
+
+    def judge(self, step, numbers) -> tuple[str, str]:
+        """(action, reason) for one step read from the device (trainer_utils.Step, StepNumbers): "apply", or
+        "skip" (its update was not applied: non-finite under warn, or stepped over). A bad step under stop or
+        rollback raises AnomalyStop or Rollback; the steps read after it are dropped."""
+        if step.stepped_over:  # it went wrong before a rollback: not applied this time, and not judged again
+            return "skip", STEPPED_OVER
+        action, reason = self.guard.verdict(step.number, numbers.loss, numbers.grad_norm, self.finite_expected)
+        if reason:
+            self.log(f"anomaly: {reason} (--on_anomaly {self.policy}: {action})")
+            self.tracker.anomaly(step.number, reason)
+        if action == "stop":
+            raise AnomalyStop(stop_message(reason))
+        if action == "rollback":
+            raise Rollback(step, reason)
+        return action, reason
+
+    def rolled_back(self, rollback: Rollback, state: dict | None) -> tuple[int, int, int]:
+        """After a Rollback: `state` is the newest checkpoint (None: there is none). The window that went
+        wrong will be stepped over, and the LR scaled. Returns the position to go on from."""
+        if state is None:
+            raise AnomalyStop(f"{rollback.reason}; no checkpoint to roll back to yet (lower --save_interval)")
+        step = rollback.step
+        self.guard.plan_rollback(step.epoch, step.start)
+        self.log(f"rollback {self.guard.rollbacks}/{self.guard.max_rollbacks}: back to step {state['global_step']}; "
+                 f"the window at sample {step.start} of epoch {step.epoch + 1} will be stepped over; lr scale now "
+                 f"{self.guard.lr_scale:g}")
+        return state["epoch"], state["samples_consumed"], state["global_step"]
+
+    def state_dict(self) -> dict:
+        """The memory a checkpoint keeps (`anomaly` in `_resume.pth`)."""
+        return self.guard.state_dict()

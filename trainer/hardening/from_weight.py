@@ -1,0 +1,73 @@
+"""The model a run starts from: its sizes from the flags, or from --from_weight's file.
+
+`model_config` is the model the size flags describe, refused before anything is allocated if it cannot fit
+(flag_checks.check_fits_in_memory). `load_from_weight` reads --from_weight's file and takes the sizes from its
+tensors, so minimind's files (or ours of any shape) need no size flags; size flags given are checked against
+it, and a mismatch names both. `frozen_model` is that model with every weight frozen: LoRA's base and DPO's
+reference, named in a checkpoint by the file's hash instead of a copy of its weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from model.weights import load_project_weights
+from model.model import CausalLM, LMConfig
+from trainer.hardening.durable_files import sha256_of
+from trainer.hardening.flag_checks import check_fits_in_memory
+from trainer.hardening.resume_checks import ConfigError
+
+# The flags that shape the model; None means "not given" (the model's default applies).
+SIZE_FLAGS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "use_moe",
+              "intermediate_size", "num_experts", "num_experts_per_tok")
+
+
+def given_sizes(args) -> dict:
+    """The size flags given on the command line (the others are None)."""
+    sizes = {name: getattr(args, name) for name in SIZE_FLAGS if getattr(args, name) is not None}
+    return {**sizes, "use_moe": bool(sizes.get("use_moe", 0))}
+
+
+def model_config(args, vocab_size: int) -> LMConfig:
+    """The model the size flags describe, for a tokenizer of `vocab_size` tokens; one that cannot fit in the
+    device's memory is refused here, before anything is allocated or any directory made (ConfigError)."""
+    lm_config = LMConfig(vocab_size=vocab_size, **given_sizes(args))
+    check_fits_in_memory(lm_config, args)
+    return lm_config
+
+
+def from_weight_path(args) -> Path:
+    """--from_weight's file: `{save_dir}/{from_weight}_{hidden}[_moe].pth`."""
+    return Path(args.save_dir) / f"{args.from_weight}_{args.hidden_size}{'_moe' if args.use_moe else ''}.pth"
+
+
+def load_from_weight(args, vocab_size: int, log: Callable[[str], None]) -> CausalLM:
+    """--from_weight's model: the sizes read from the file's tensors, the size flags given checked against them."""
+    path = from_weight_path(args)
+    if not path.is_file():
+        raise FileNotFoundError(f"--from_weight {args.from_weight}: {path} does not exist. Train that stage first "
+                                f"(e.g. trainer/train_pretrain.py with the same --hidden_size), or pass "
+                                f"--from_weight none to start from random weights")
+    try:
+        weights, file_config = load_project_weights(path, {name: getattr(args, name) for name in SIZE_FLAGS},
+                                                    vocab_size)
+    except ValueError as error:  # the file does not fit the flags or the tokenizer: the message says how
+        raise ConfigError(f"--from_weight {args.from_weight}: {error}") from None
+    log(f"initial weights: {path} ({file_config.hidden_size}x{file_config.num_hidden_layers}, "
+        f"intermediate {file_config.intermediate_size}{', MoE' if file_config.use_moe else ''})")
+    model = CausalLM(file_config)
+    model.load_state_dict(weights, strict=True)
+    return model
+
+
+def frozen_model(args, lm_config: LMConfig, log: Callable[[str], None]) -> tuple[CausalLM, dict]:
+    """--from_weight's model with every weight frozen (LoRA's base, DPO's reference model), and the settings
+    that name it: {"base_file", "base_sha256"}. A checkpoint records these instead of a copy of the weights,
+    and a resume refuses a file whose hash changed (resume_checks compares "base_sha256")."""
+    if args.from_weight == "none":
+        raise ConfigError("--from_weight none: this stage starts from trained weights; name them, e.g. "
+                          "--from_weight full_sft")
+    model = load_from_weight(args, lm_config.vocab_size, log)
+    path = from_weight_path(args)
+    return model.requires_grad_(False).eval(), {"base_file": str(path), "base_sha256": sha256_of(path)}
