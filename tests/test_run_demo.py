@@ -7,6 +7,7 @@ fail there instead of rewriting the repository's demo data.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -15,28 +16,66 @@ import pytest
 
 from conftest import REPO, child_env
 
+ORIGINAL_AFFINITY = os.sched_getaffinity(0)
+
 HINT = "faster: OMP_NUM_THREADS=1 bash scripts/run_demo.sh (one thread per process suffers least), or bash " \
        "scripts/run_demo.sh --quick"
 
 
 def run_demo(tmp_path, *args: str, **machine) -> subprocess.CompletedProcess:
-    """`bash scripts/run_demo.sh ARGS` with DEMO_LOADAVG / DEMO_CORES standing in for the machine's numbers."""
+    """`bash scripts/run_demo.sh ARGS` with DEMO_LOADAVG / DEMO_CORES standing in for the machine's numbers
+    (OMP_NUM_THREADS unset unless given: child_env sets it to 1 for training children)."""
     (tmp_path / "scripts").mkdir(exist_ok=True)
     shutil.copy(REPO / "scripts" / "run_demo.sh", tmp_path / "scripts" / "run_demo.sh")
+    env = child_env(**machine)
+    if "OMP_NUM_THREADS" not in machine:
+        del env["OMP_NUM_THREADS"]
     return subprocess.run(["bash", str(tmp_path / "scripts" / "run_demo.sh"), *args], cwd=tmp_path,
-                          env=child_env(**machine), capture_output=True, text=True, timeout=60)
+                          env=env, capture_output=True, text=True, timeout=60)
 
 
 @pytest.mark.parametrize("load, cores, says", [
-    ("1.00", 2, "load average 1.00, nproc 2"),  # half the cores busy with other work
-    ("6.50", 8, "load average 6.50, nproc 8"),
-    ("0.00", 1, "load average 0.00, nproc 1"),  # one core: slow however quiet
+    ("1.00", 2, "load average 1.00, 2 cores"),  # half the cores busy with other work
+    ("6.50", 8, "load average 6.50, 8 cores"),
 ])
-def test_a_busy_or_small_machine_gets_one_line_with_its_numbers_and_the_two_ways_to_go_faster(tmp_path, load, cores,
-                                                                                             says):
+def test_a_busy_machine_gets_one_line_with_its_numbers_and_the_two_ways_to_go_faster(tmp_path, load, cores, says):
     result = run_demo(tmp_path, "--check_machine", DEMO_LOADAVG=load, DEMO_CORES=cores)
     assert result.returncode == 0 and result.stderr == "", result.stderr
     assert result.stdout == f"== busy or small machine ({says}): the demo will be slow; {HINT}\n"
+
+
+@pytest.mark.parametrize("threads, args, advice", [
+    ("1", (), "faster: OMP_NUM_THREADS=1 bash scripts/run_demo.sh --quick"),
+    ("", ("--quick",), "faster: OMP_NUM_THREADS=1 bash scripts/run_demo.sh --quick (one thread per process suffers "
+                       "least)"),
+    ("1", ("--quick",), "it already runs as fast as it can here (one thread, --quick); the numbers will be the same, "
+                        "only later"),
+])
+def test_the_advice_leaves_out_what_the_run_already_does(tmp_path, threads, args, advice):
+    machine = {"OMP_NUM_THREADS": threads} if threads else {}
+    result = run_demo(tmp_path, "--check_machine", *args, DEMO_LOADAVG="3.00", DEMO_CORES=2, **machine)
+    assert result.stdout == f"== busy or small machine (load average 3.00, 2 cores): the demo will be slow; {advice}\n"
+
+
+def test_one_core_is_slow_however_quiet_and_one_thread_is_not_advised_there(tmp_path):
+    result = run_demo(tmp_path, "--check_machine", DEMO_LOADAVG="0.00", DEMO_CORES=1)
+    assert result.stdout == ("== busy or small machine (load average 0.00, 1 core): the demo will be slow; faster: "
+                             "bash scripts/run_demo.sh --quick\n")
+
+
+@pytest.mark.parametrize("pin", [None, [0]])
+def test_the_cores_counted_are_the_ones_the_process_may_use_not_omp_num_threads(tmp_path, pin):
+    # With the advised OMP_NUM_THREADS=1, `nproc` alone prints 1: a 2-core machine looked like one core. Pinned to
+    # one CPU (affinity, as a container's cpuset does), the demo has one core whatever the machine has.
+    machine = os.sched_getaffinity(0) if pin is None else set(pin)
+    if pin is not None:
+        os.sched_setaffinity(0, machine)  # the child inherits it; restored below
+    try:
+        result = run_demo(tmp_path, "--check_machine", DEMO_LOADAVG="99", OMP_NUM_THREADS="1")
+    finally:
+        os.sched_setaffinity(0, ORIGINAL_AFFINITY)
+    unit = "core" if len(machine) == 1 else "cores"
+    assert f"(load average 99, {len(machine)} {unit})" in result.stdout, result.stdout
 
 
 @pytest.mark.parametrize("load, cores", [("0.99", 2), ("0.00", 2), ("3.99", 8)])
