@@ -11,8 +11,10 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
+import torch
 
 from conftest import REPO, child_env
 
@@ -110,3 +112,41 @@ def test_the_stages_run_in_order_with_the_same_model_sizes_and_the_total_time_co
     stages = [line for line in result.stdout.splitlines() if line.startswith("== ")]
     assert [line.split(".")[0] for line in stages[:-1]] == [f"== {n}" for n in range(1, 9)]
     assert re.fullmatch(r"== done in 0 min \d+ s; the curves: out/pretrain_128_curves.png", stages[-1]), stages[-1]
+
+
+def demo_environment(tmp_path) -> dict:
+    """What scripts/run_demo.sh sets for its stages: a stand-in `python` writes down the numerics variables."""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").write_text(f'#!/bin/sh\necho "MKL_CBWR=$MKL_CBWR ATEN_CPU_CAPABILITY='
+                                             f'$ATEN_CPU_CAPABILITY" > {tmp_path}/environment\n')
+    (tmp_path / "bin" / "python").chmod(0o755)
+    result = run_demo(tmp_path, "--quick", DEMO_LOADAVG="0", DEMO_CORES=2, PATH=f"{tmp_path / 'bin'}:{child_env()['PATH']}")
+    assert result.returncode == 0, result.stderr
+    return dict(pair.split("=", 1) for pair in (tmp_path / "environment").read_text().split())
+
+
+def demo_sized_weights(run_dir, threads: int, **numerics) -> dict:
+    """The FP32 weights after 4 pretraining steps of the demo's model on its data, on `threads` threads."""
+    args = ["--hidden_size", "128", "--num_hidden_layers", "4", "--num_attention_heads", "4", "--num_key_value_heads",
+            "2", "--max_seq_len", "128", "--batch_size", "32", "--learning_rate", "2e-3", "--max_steps", "4",
+            "--num_workers", "0", "--device", "cpu", "--data_path", str(REPO / "dataset" / "pretrain_demo.jsonl"),
+            "--save_dir", str(run_dir / "out"), "--checkpoint_dir", str(run_dir / "ckpt"),
+            "--metrics_dir", str(run_dir / "metrics")]
+    result = subprocess.run([sys.executable, str(REPO / "trainer" / "train_pretrain.py"), *args],
+                            env=child_env(OMP_NUM_THREADS=threads, **numerics), capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    [saved] = (run_dir / "ckpt").rglob("step_00000004.pth")
+    return torch.load(saved, weights_only=True)["model"]
+
+
+@pytest.mark.skipif(os.environ.get("TRAINER_SLOW_TESTS") != "1",
+                    reason="four demo-sized training runs (about a minute on 2 cores); set TRAINER_SLOW_TESTS=1")
+def test_the_demos_numerics_make_one_and_two_threads_train_the_same_weights(tmp_path):
+    numerics = demo_environment(tmp_path)
+    assert numerics["MKL_CBWR"] == "AVX2,STRICT"
+    same = [demo_sized_weights(tmp_path / f"pinned_{t}", t, **numerics) for t in (1, 2)]
+    assert all(torch.equal(same[0][name], same[1][name]) for name in same[0])
+    # Without them the thread count shows within these 4 steps: the comparison above can fail.
+    plain = [demo_sized_weights(tmp_path / f"plain_{t}", t) for t in (1, 2)]
+    assert not all(torch.equal(plain[0][name], plain[1][name]) for name in plain[0])
