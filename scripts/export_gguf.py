@@ -39,6 +39,7 @@ from model.model import LMConfig  # noqa: E402
 # QWEN2_PATTERN: Qwen2's regex, which llama.cpp runs for tokenizer.ggml.pre = qwen2
 from model.tokenizer import BOS_ID, DEFAULT_TOKENIZER, QWEN2_PATTERN  # noqa: E402
 from output_paths import OutputPathError, check_user_output, written_by_name  # noqa: E402
+from trainer.hardening.checkpoint_io import trained_length  # noqa: E402
 
 
 def describe(pre: dict | None) -> str:
@@ -116,8 +117,11 @@ def add_tokenizer(writer: gguf.GGUFWriter, data: dict, pre: str, vocab_size: int
     writer.add_chat_template(CHAT_TEMPLATE)
 
 
-def add_hyperparameters(writer: gguf.GGUFWriter, cfg: LMConfig) -> None:
-    writer.add_context_length(cfg.max_position_embeddings)
+def add_hyperparameters(writer: gguf.GGUFWriter, cfg: LMConfig, trained: int | None) -> None:
+    # llama.cpp reads {arch}.context_length as the length the model was trained at (n_ctx_train): its default
+    # context, and the length past which it warns. The rotary table (max_position_embeddings, 32,768) is far longer
+    # than anything the demo trained on, so the trained max_seq_len goes there where training recorded it.
+    writer.add_context_length(trained or cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_feed_forward_length(cfg.intermediate_size)
@@ -180,10 +184,15 @@ def export_gguf(source: Path, out: Path, tokenizer_path: Path | None = None, qty
             raise FileNotFoundError(f"{source} has no config.json: pass a folder scripts/export_hf.py wrote")
         state_dict, cfg = import_hf(source)
         tokenizer_path = tokenizer_path or source / "tokenizer.json"
+        trained = None  # an HF folder does not record it
     elif source.is_file():
         requested = {"num_experts_per_tok": num_experts_per_tok}  # the one size no tensor records
         state_dict, cfg = load_project_weights(source, requested)
         tokenizer_path = tokenizer_path or DEFAULT_TOKENIZER
+        try:
+            trained = trained_length(source)  # out/{run}.json beside the weights
+        except RuntimeError as error:
+            raise ValueError(str(error)) from None
     elif source.exists():  # a FIFO or a device: named, never opened (a read would wait for a writer)
         raise ValueError(f"{source} is not a regular file: pass an out/*.pth file or a folder from scripts/export_hf.py")
     else:
@@ -201,7 +210,7 @@ def export_gguf(source: Path, out: Path, tokenizer_path: Path | None = None, qty
         writer = gguf.GGUFWriter(str(tmp), "qwen3moe" if cfg.use_moe else "qwen3")
         writer.add_name(source.stem)
         writer.add_file_type({"f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype])
-        add_hyperparameters(writer, cfg)
+        add_hyperparameters(writer, cfg, trained)
         add_tokenizer(writer, data, pre, cfg.vocab_size)
         for name, tensor in gguf_tensors(state_dict, cfg).items():
             add_tensor(writer, name, tensor, qtype)

@@ -48,6 +48,7 @@ from dataset.json_text import parse_json_text
 from eval_model import add_model_flags, chat_encoder, chat_prompt_ids, find_weight_file, generate_ids, load_model
 from model.model import CausalLM
 from model.tokenizer import load_tokenizer
+from trainer.hardening.checkpoint_io import trained_length
 
 
 class ChatRequest(BaseModel):
@@ -134,22 +135,6 @@ def plain_messages(messages: list[dict]) -> list[dict]:
                 message["content"] = "\n".join(part["text"] for part in message["content"])
         plain.append(message)
     return plain
-
-
-def trained_length(weight_file: Path) -> int | None:
-    """The max_seq_len the weights were trained at, from the .json training writes beside them
-    (checkpoint_io.write_out_weights); None where there is none (minimind's weights, or older ones)."""
-    sidecar = weight_file.with_suffix(".json")
-    if not sidecar.is_file():
-        return None
-    try:
-        length = json.loads(sidecar.read_text(encoding="utf-8"))["max_seq_len"]
-    except (ValueError, KeyError, TypeError, RecursionError) as error:
-        raise RuntimeError(f'{sidecar} should hold {{"max_seq_len": N}} ({error!r}): fix or delete it') from None
-    if type(length) is not int or length < 1:  # (bool is an int: true is no length)
-        raise RuntimeError(f'{sidecar} holds "max_seq_len": {json.dumps(length)}; it should be the positive whole '
-                           f"number of tokens the model was trained at: fix or delete it")
-    return length
 
 
 # ---- generation, token by token -----------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -239,3 +240,39 @@ def test_lm_eval_on_the_export_scores_like_eval_choices(tiny):
     for metric in ("acc", "acc_norm", "acc_bytes"):
         print(f"{metric:<10} {scores[metric]:.4f}        {reported[f'{metric},none']:.4f}")
         assert reported[f"{metric},none"] == pytest.approx(scores[metric], abs=1e-9)
+
+
+# ---- the shipped task files: dataset/lm_eval_tasks/ -----------------------------------------------
+
+@pytest.mark.skipif(os.environ.get("TRAINER_SLOW_TESTS") != "1",
+                    reason="lm-eval takes 30 to 60 s on two CPU cores; set TRAINER_SLOW_TESTS=1 to run it")
+def test_the_shipped_task_files_run_as_the_readme_shows_with_answers_as_indices_or_letters(tiny):
+    # A folder laid out as the repository root, where the README runs lm_eval: dataset/mc_demo.jsonl (the demo's
+    # items, "answer" an index) and the user's my_choices.jsonl (the same items, "answer" a letter as often as not).
+    here = tiny["root"] / "clone"
+    (here / "dataset").mkdir(parents=True)
+    shutil.copy(REPO / "dataset" / "mc_demo.jsonl", here / "dataset" / "mc_demo.jsonl")
+    lines = [json.loads(line) for line in (REPO / "dataset" / "mc_demo.jsonl").read_text(encoding="utf-8").splitlines()]
+    for n, line in enumerate(lines):
+        if n % 2:
+            line["answer"] = "abcd"[line["answer"]] if n % 4 == 1 else " " + "ABCD"[line["answer"]]
+    (here / "my_choices.jsonl").write_text("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines),
+                                           encoding="utf-8")
+    command = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", f"pretrained={tiny['hf']},dtype=float32",
+               "--include_path", str(REPO / "dataset" / "lm_eval_tasks"), "--tasks", "mc_demo,my_choices",
+               "--device", "cpu", "--batch_size", "16", "--output_path", str(here / "lm_eval")]
+    result = subprocess.run(command, cwd=here, env=child_env(HF_HOME=here / "hf_home", HF_DATASETS_OFFLINE=1),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    [results_file] = (here / "lm_eval").rglob("results_*.json")
+    reported = json.loads(results_file.read_text(encoding="utf-8"))["results"]
+    items = read_choice_items(here / "my_choices.jsonl")  # letters read as indices, as eval_model.py reads them
+    assert [item.answer for item in items] == [item.answer for item in read_choice_items(REPO / "dataset" / "mc_demo.jsonl")]
+    model, encode = load_hf_model(tiny["hf"], torch.device("cpu"))
+    scores = score_choices(items, choice_loglikelihoods(model, encode, items, model.config.max_position_embeddings,
+                                                        16, progress=False))
+    assert scores["acc"] > 0.1  # the random model gets items right: a letter read as no choice would lower the score
+    for task in ("mc_demo", "my_choices"):
+        for metric in ("acc", "acc_norm", "acc_bytes"):
+            assert reported[task][f"{metric},none"] == pytest.approx(scores[metric], abs=1e-9), (task, metric)

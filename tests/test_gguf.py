@@ -168,6 +168,30 @@ def test_llama_cpp_tokenizes_every_text_and_greedy_decodes_as_we_do_from_an_fp16
     assert min(len(set(g)) for g in ours_greedy) >= 3, f"the test model degenerated: {ours_greedy}"
 
 
+def test_the_length_training_recorded_beside_the_weights_is_the_context_length_llama_cpp_reads(dense, tmp_path,
+                                                                                              llama_cpp):
+    # out/{run}.json holds the max_seq_len the run trained at; without it, the rotary table's length is all there is.
+    tmp, tokenizer, model, prompts = dense
+    pth = save_pth(model, tmp_path / "full_sft_64.pth")
+    assert export(pth, "--out", tmp_path / "untold.gguf")[0] == 0
+    (tmp_path / "full_sft_64.json").write_text('{"max_seq_len": 48}\n')
+    assert export(pth, "--out", tmp_path / "told.gguf")[0] == 0
+    lengths = {name: int(gguf.GGUFReader(tmp_path / f"{name}.gguf").fields["qwen3.context_length"].parts[-1][0])
+               for name in ("untold", "told")}
+    assert lengths == {"untold": LMConfig().max_position_embeddings, "told": 48}  # a .pth does not record its table
+    theirs = llama_cpp(tmp_path / "told.gguf", prompts=prompts[:1])  # it still runs a longer context, as before
+    assert theirs["train_context"] == 48
+    assert until_eos(theirs["generated"][0]) == until_eos(greedy(model, prompts[:1])[0])
+
+
+def test_a_broken_length_file_beside_the_weights_is_one_line_naming_it(dense, tmp_path):
+    tmp, tokenizer, model, prompts = dense
+    pth = save_pth(model, tmp_path / "full_sft_64.pth")
+    (tmp_path / "full_sft_64.json").write_text('{"max_len": 48}\n')
+    code, _, err = export(pth, "--out", tmp_path / "x.gguf")
+    assert code == 2 and "full_sft_64.json should hold {\"max_seq_len\": N}" in err and err.count("\n") == 1, err
+
+
 def test_q8_0_gguf_is_about_half_the_size_and_picks_our_top_token_at_almost_every_step(dense, llama_cpp):
     tmp, tokenizer, model, prompts = dense
     f16, q8 = (tmp / "f16.gguf").stat().st_size, (tmp / "q8_0.gguf").stat().st_size

@@ -21,11 +21,16 @@ def backticked(text: str) -> list[str]:
     return re.findall(r"`([^`\n]+)`", text)
 
 
+TOURS = {"README.md": "docs/tour.md", "README_zh.md": "docs/zh/tour.md"}  # each README points at its tour
+
+
 def tour(readme: str) -> str:
-    """The reading tour and the exercises: the section "Read the code, then break it"."""
-    text = (REPO / readme).read_text(encoding="utf-8")
+    """The reading tour and the exercises: the section "Read the code, then break it" of the README's tour page."""
+    assert f"]({TOURS[readme]})" in (REPO / readme).read_text(encoding="utf-8"), f"{readme} does not link its tour"
+    text = (REPO / TOURS[readme]).read_text(encoding="utf-8")
     start = text.index("## Read the code" if readme == "README.md" else "## 先读代码")
-    return text[start:text.index("\n## ", start + 1)]
+    end = text.find("\n## ", start + 1)
+    return text[start:] if end == -1 else text[start:end]
 
 
 def defined_names() -> set[str]:

@@ -2,7 +2,8 @@
 // It runs node-llama-cpp's prebuilt CPU binary, offline (build: "never": never download or compile llama.cpp).
 //   node tests/gguf/llama_cpp_check.mjs model.gguf cases.json
 //   cases.json: {"texts": ["..."], "prompts": [[1, 872, ...]], "n": 16, "chat": [{"role": "user", "content": "..."}]}
-// prints one JSON line: {"tokens": [[...] per text], "generated": [[...] per prompt], "chat": "<the rendered template>"}
+// prints one JSON line: {"tokens": [[...] per text], "generated": [[...] per prompt], "chat": "<the rendered template>",
+//   "train_context": the length llama.cpp reads as the one the model was trained at}
 import {readFileSync} from "node:fs";
 import {getLlama, LlamaLogLevel, JinjaTemplateChatWrapper, LlamaText} from "node-llama-cpp";
 
@@ -35,6 +36,6 @@ if (cases.chat) {  // the chat template stored in the file, run by node-llama-cp
     chat = LlamaText(wrapper.generateContextState({chatHistory: history}).contextText).toString();
 }
 
-console.log(JSON.stringify({tokens, generated, chat}));
+console.log(JSON.stringify({tokens, generated, chat, train_context: model.trainContextSize}));
 await model.dispose();
 await llama.dispose();

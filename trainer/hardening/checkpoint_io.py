@@ -368,6 +368,22 @@ def write_out_weights(out_path: Path, weights: dict, train_args: dict,
         raise CheckpointError(f"could not write {out_path}: {error}") from error
 
 
+def trained_length(weight_file: Path) -> int | None:
+    """The max_seq_len the weights were trained at, from the .json write_out_weights writes beside them;
+    None where there is none (minimind's weights, or older ones)."""
+    sidecar = weight_file.with_suffix(".json")
+    if not sidecar.is_file():
+        return None
+    try:
+        length = json.loads(sidecar.read_text(encoding="utf-8"))["max_seq_len"]
+    except (ValueError, KeyError, TypeError, RecursionError) as error:
+        raise RuntimeError(f'{sidecar} should hold {{"max_seq_len": N}} ({error!r}): fix or delete it') from None
+    if type(length) is not int or length < 1:  # (bool is an int: true is no length)
+        raise RuntimeError(f'{sidecar} holds "max_seq_len": {json.dumps(length)}; it should be the positive whole '
+                           f"number of tokens the model was trained at: fix or delete it")
+    return length
+
+
 def load_newest(files: RunFiles, resume_path: str | None, log: Callable[[str], None]) -> dict | None:
     """The state of the newest good checkpoint (or `resume_path`'s); None when the run has none.
     Rank 0 picks and verifies the file and shares its choice; every rank then loads that file."""

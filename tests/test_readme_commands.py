@@ -1,0 +1,92 @@
+"""The READMEs' commands run as written on a fresh clone: one style for running a script (`python scripts/X.py`,
+never `python -m scripts.X`), every script a README runs answers `--help`, the two READMEs show the same commands,
+and the export commands, run as printed on small weights under out/, write only under out/.
+
+(tests/test_readme_points_at_the_code.py holds the paths and links; the demo itself: tests/test_run_demo.py.)
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from conftest import REPO, child_env
+from lora_files import tiny_config, write_adapter, write_base
+
+READMES = ("README.md", "README_zh.md")
+PAGES = (*READMES, *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").rglob("*.md")))
+
+
+def bash_lines(page: str) -> list[str]:
+    """The commands of the page's ```bash blocks, continuation lines joined, comments and prompts left out."""
+    text = (REPO / page).read_text(encoding="utf-8")
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = re.sub(r"\s+#.*$", "", line).strip()
+            if line and not line.startswith("#"):
+                lines.append(re.sub(r"\s+", " ", line))
+    return lines
+
+
+def inline_commands(page: str) -> list[str]:
+    """Commands written in the page's text as `python ...`."""
+    text = (REPO / page).read_text(encoding="utf-8")
+    return [re.sub(r"\s+", " ", c) for c in re.findall(r"`(python [^`]+)`", text)]
+
+
+def test_scripts_run_in_one_style_as_files():
+    mixed = {page: re.findall(r"python -m (?:scripts|trainer|benchmarks)\.\w+", (REPO / page).read_text(encoding="utf-8"))
+             for page in PAGES}
+    assert not any(mixed.values()), {page: found for page, found in mixed.items() if found}
+
+
+def test_the_two_readmes_show_the_same_commands():
+    english, chinese = bash_lines("README.md"), bash_lines("README_zh.md")
+    assert len(english) >= 25 and english == chinese
+
+
+def test_every_script_the_readmes_and_docs_run_answers_help():
+    scripts = sorted({match for page in PAGES for line in bash_lines(page) + inline_commands(page)
+                      for match in re.findall(r"(?:^|\s)python ((?:[\w-]+/)*[\w-]+\.py)\b", line)})
+    assert len(scripts) >= 10 and all((REPO / s).is_file() for s in scripts), scripts
+    # One interpreter for all of them (importing torch once): each runs as `python SCRIPT --help` would run it.
+    program = ("import runpy, sys\n"
+               "for script in sys.argv[1:]:\n"
+               "    sys.argv = [script, '--help']\n"
+               "    try:\n"
+               "        runpy.run_path(script, run_name='__main__')\n"
+               "    except SystemExit as stop:\n"
+               "        assert stop.code in (0, None), (script, stop.code)\n"
+               "    else:\n"
+               "        raise AssertionError(f'{script} --help did not exit')\n"
+               "    print('helped', script, file=sys.stderr)\n")
+    result = subprocess.run([sys.executable, "-c", program, *scripts], cwd=REPO, env=child_env(), capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.count("helped ") == len(scripts)
+
+
+def test_the_export_commands_as_printed_write_their_files_under_out(tmp_path):
+    # A folder laid out as the clone after the demo: the demo's weight names (small weights) and the .json of
+    # the length training used beside the SFT model.
+    config = tiny_config(hidden_size=128)
+    base = write_base(tmp_path / "out", config)
+    write_base(tmp_path / "out", config, name="pretrain")
+    write_adapter(tmp_path / "out", config, base=base)
+    (tmp_path / "out" / "full_sft_128.json").write_text('{"max_seq_len": 192}\n')
+    before = {p.relative_to(tmp_path) for p in tmp_path.rglob("*")}
+
+    commands = [c for page in ("README.md", "docs/elsewhere.md") for c in bash_lines(page) + inline_commands(page)
+                if re.match(r"python scripts/export_(hf|gguf)\.py ", c)]
+    commands = list(dict.fromkeys(commands))  # the same command on two pages runs once
+    assert len(commands) >= 8, commands
+    for command in sorted(commands, key=lambda c: "export_gguf" in c):  # the HF folders before the GGUFs made of them
+        python, script, *args = command.split()
+        result = subprocess.run([sys.executable, str(REPO / script), *args], cwd=tmp_path, env=child_env(),
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, f"{command}\n{result.stderr[-2000:]}"
+    written = {p.relative_to(tmp_path) for p in tmp_path.rglob("*")} - before
+    assert written and all(p.parts[0] == "out" for p in written), sorted(map(str, written))
+    assert (tmp_path / "out" / "full_sft_128.gguf").is_file() and (tmp_path / "out" / "hf_pretrain" / "config.json").is_file()
