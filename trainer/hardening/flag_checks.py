@@ -73,8 +73,12 @@ RANGES = {
     "lora_rank": ("an integer >= 1 (the rank r of each adapter's A and B)", lambda v: v >= 1),
     "lora_alpha": ("a finite number > 0 (the adapter's update is scaled by lora_alpha / lora_rank)",
                    lambda v: 0 < v < math.inf),
-    "beta": ("a finite number > 0 (DPO: how far the policy may move from the reference; 0.1 is usual)",
+    "beta": ("a finite number > 0 (DPO, GRPO: how far the policy may move from the reference; 0.1 is usual)",
              lambda v: 0 < v < math.inf),
+    "num_generations": ("an integer >= 2 (GRPO: a group compares its completions with each other)", lambda v: v >= 2),
+    "max_completion_len": ("an integer >= 1 (new tokens per completion)", lambda v: v >= 1),
+    "temperature": ("a finite number > 0 (GRPO samples its completions)", lambda v: 0 < v < math.inf),
+    "clip_eps": ("in (0, 1) (the ratio pi / pi_old is clipped to [1 - clip_eps, 1 + clip_eps])", lambda v: 0 < v < 1),
 }
 LOGGERS = ("console", "file", "wandb", "swanlab")
 

@@ -39,6 +39,10 @@ from trainer.hardening.run_lock import HEARTBEAT_S, LOCK_NAME, lock_lost
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "4090": 165.0, "A10": 125.0}
 
 
+# What GRPO's log line adds (trainer/train_grpo.py: watched_metrics), in this order.
+RL_METRICS = ("reward", "reward_std", "no_signal", "completion_len", "kl", "clip_fraction")
+
+
 def peak_flops(device: torch.device) -> float | None:
     """The GPU's dense bf16 peak in FLOP/s if it is a known model, else None (MFU is then not logged)."""
     if device.type != "cuda":
@@ -301,8 +305,9 @@ class Tracker:
                 metrics["mfu"] = self.flops_per_token * metrics["tokens_per_s"] / (self.peak * world_size)
         self.last_log, self.last_log_step, self.tokens = now, step, 0
         if self.console:
+            watched = "".join(f" {name} {metrics[name]:.4g}" for name in RL_METRICS if name in metrics)  # GRPO's
             print(f"epoch {metrics['epoch'] + 1}/{self.epochs} step {step} ({total_steps - step} to go) "
-                  f"loss {metrics['loss']:.4f} lr {metrics['lr']:.2e} grad_norm {metrics['grad_norm']:.3f} "
+                  f"loss {metrics['loss']:.4f} lr {metrics['lr']:.2e} grad_norm {metrics['grad_norm']:.3f}{watched} "
                   f"{metrics['tokens_per_s']:.0f} tok/s ETA {format_duration(metrics['eta_s'])}", flush=True)
         if self.files is not None:
             self.files.log(metrics, total_steps)
