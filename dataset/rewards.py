@@ -16,6 +16,8 @@ import math
 import re
 from typing import Callable
 
+import torch
+
 from dataset.jsonl_file import DataFileError
 
 THINK_BLOCK = re.compile(r"<think>.*?</think>", re.DOTALL)
@@ -88,3 +90,15 @@ def score(functions: dict[str, Callable], completions: list[str], answers: list[
             raise RewardError(f"{where} returned {bad[0]!r}: each reward must be a finite number")
         totals = [total + float(v) for total, v in zip(totals, values)]
     return totals
+
+
+def score_groups(functions: dict[str, Callable], groups: list[list[str] | None],
+                 answers: list[str | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[prompts, G] rewards of each prompt's group of completions (None: the loader's placeholder, zeros), and what
+    a user watches of them: [reward sum, in-group std sum, groups without signal (all alike), groups]."""
+    size = max([len(group) for group in groups if group is not None], default=1)
+    scores = torch.tensor([score(functions, group, [answer] * size) if group is not None else [0.0] * size
+                           for group, answer in zip(groups, answers)], dtype=torch.float64)
+    real = torch.tensor([group is not None for group in groups])
+    std = scores.std(dim=1)
+    return scores, torch.stack([scores[real].sum(), std[real].sum(), (std[real] == 0).sum(), real.sum()]).double()

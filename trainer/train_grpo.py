@@ -1,26 +1,13 @@
 """Group relative policy optimisation (GRPO): reinforce the answers of a fine-tuned model that a reward prefers.
 
-For each prompt the policy (the model trained) samples a group of G completions (--num_generations) with its own
-KV-cache generation; plain Python rewards (dataset/rewards.py) score them; each completion's advantage is its
-reward against its group's: (r - mean) / (std + 1e-4), so no value model is needed. The loss per completion
-token is PPO's clipped -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A), ratio = pi / pi_old, plus
-beta * KL(pi || ref) with the k3 estimator exp(ref - pi) - (ref - pi) - 1 (grpo_loss), summed and divided by the
-completion tokens of the whole global batch. Each prompt's group is drawn with a generator seeded by
-(seed, epoch, prompt), so a resume, on any number of ranks, samples the same completions. Starts from
-out/full_sft_{hidden}.pth by default: the policy's start and the frozen reference are that file. Run it:
-
-    python trainer/train_grpo.py                                    # one process (CPU or one GPU)
-    torchrun --nproc_per_node 2 trainer/train_grpo.py               # 2 GPUs (or 2 CPU ranks) on one node
-    ... --from_resume 1                                             # continue, also on another GPU count
-    ... --rewards answer,format                                     # the rewards, added (dataset/rewards.py)
-
-Writes out/grpo_{hidden}.pth and checkpoints/ (the reference named by its file's hash, as DPO's). What changes
-from train_full_sft.py: the lines marked `# grpo`; gone are the two augmentation flags `--system_prompt_ratio`,
-`--drop_empty_think_ratio` and `train_ds.set_epoch`; `--parallel fsdp` and `--val_data` are refused (grpo_refusals).
+Per prompt, G completions sampled by the policy (seeded by seed, epoch and prompt: a resume samples them alike),
+scored by Python rewards (dataset/rewards.py); an advantage is a reward against its group's, (r - mean) / (std + eps);
+the loss per token: PPO's clipped policy gradient + beta x KL to the frozen reference (out/full_sft_*.pth, named by
+hash as DPO's), over the global batch's completion tokens. What changes from train_full_sft.py: the lines marked
+`# grpo`; gone: `--system_prompt_ratio`, `--drop_empty_think_ratio`, `train_ds.set_epoch`, `local_tokens = sum(`.
 """
 
 import argparse
-import math  # grpo
 import sys
 import time
 from contextlib import nullcontext
@@ -33,10 +20,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from dataset.grpo_dataset import GRPODataset  # grpo
-from dataset.rewards import NEEDS_ANSWER, reward_functions, score  # grpo
-from model.tokenizer import EOS_ID, PAD_ID  # grpo
-
+from dataset.grpo_dataset import GRPODataset, sample_groups  # grpo
+from dataset.rewards import reward_functions, score_groups  # grpo
 from model.tokenizer import load_tokenizer
 from trainer.hardening.anomaly import install_debug_injection
 from trainer.hardening.anomaly_policy import AnomalyPolicy, Rollback
@@ -45,11 +30,11 @@ from trainer.hardening.flag_checks import check_flags
 from trainer.hardening.operator_flags import add_operator_flags
 from trainer.hardening.process_exit import cleanup_distributed, run_script
 from trainer.hardening.process_group import init_distributed
-from trainer.hardening.resume_checks import ConfigError, data_fingerprint, resume_settings  # grpo
+from trainer.hardening.resume_checks import data_fingerprint, resume_settings
 from trainer.hardening.run_lock import claim_run_directories
 from trainer.hardening.sharding import no_sync, shard_model
 from trainer.hardening.stopping import StopRequest, end_of_run, loader_worker_ignores_stops
-from trainer.hardening.tracking import Tracker, flops_per_token, validation_loss
+from trainer.hardening.tracking import Tracker, flops_per_token, validation_loss, watched_metrics  # grpo
 from trainer.trainer_utils import (REPO_ROOT, IndexedDataset, Position, RunSpec, SkipBatchSampler, Step, epoch_order,
                                    frozen_model,  # grpo
                                    get_lr, given_sizes, init_model, lm_checkpoint, load_checkpoint,
@@ -101,20 +86,6 @@ def parse_args() -> argparse.Namespace:
     return check_flags(parser.parse_args())  # every value in its range, every path of its kind (exit 2)
 
 
-def grpo_refusals(args) -> None:  # grpo
-    """What this stage does not do, refused before anything starts (one line, exit 2)."""
-    if args.parallel == "fsdp":
-        raise ConfigError("--parallel fsdp: GRPO samples with the model's own generation, whose number of forward "
-                          "passes differs between ranks (each stops at its own end of text), while FSDP gathers the "
-                          "weights in every forward on all ranks together; use --parallel ddp")
-    if args.val_data:
-        raise ConfigError("--val_data: GRPO has no validation loss on sampled completions; score held-out prompts "
-                          "with eval_model.py")
-    if args.max_completion_len >= args.max_seq_len:
-        raise ConfigError(f"--max_completion_len {args.max_completion_len}: must be below --max_seq_len "
-                          f"{args.max_seq_len} (the prompt gets the rest)")
-
-
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:  # grpo
     """[prompts, G] rewards -> each completion's advantage against its own group: (r - mean) / (std + eps). A group
     all right or all wrong gives 0 everywhere: no signal, its completions only feel the KL term."""
@@ -131,69 +102,35 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, beta: float, clip_eps: fl
     return policy_term + beta * kl, kl, clipped
 
 
-@torch.no_grad()  # grpo
-def rollout(model, micro_batch, train_ds, rewards: dict, args, epoch: int, autocast):  # grpo
-    """A micro-batch's groups: G completions per prompt (the model's generation with the KV cache, the G in one
-    batch), drawn with a generator seeded by (seed, epoch, prompt), scored and given their advantages.
-    Returns rows (prompt + completion) and labels (the completion through its end of text) [prompts x G, T],
-    advantages [prompts x G], and the numbers a user watches: reward sum, std sum, groups without signal, groups."""
-    indices, prompts, prompt_labels = micro_batch
-    G, device, rows, advantages = args.num_generations, prompts.device, [], []
-    watch = torch.zeros(4, dtype=torch.float64)
-    for index, ids, labels in zip(indices.tolist(), prompts, prompt_labels):
-        length = int((labels != -100).sum())  # 0: the loader's placeholder, G rows that add nothing
-        completion = torch.full((G, 1), PAD_ID, device=device)
-        if length:
-            generator = torch.Generator(device).manual_seed((args.seed * 1_000_003 + epoch) * 1_000_003 + index)
-            with autocast:
-                completion = model.generate(ids[:length].repeat(G, 1), args.max_completion_len, args.temperature,
-                                            eos_token_id=EOS_ID, generator=generator)[:, length:]
-            is_end = completion == EOS_ID
-            kept = (is_end.cumsum(dim=1) - is_end.long()) == 0  # through the first end of text, not the padding
-            texts = [train_ds.encoder.decode(row[keep].tolist()) for row, keep in zip(completion, kept)]
-            scores = torch.tensor(score(rewards, texts, [train_ds.answer(index)] * G), dtype=torch.float64)
-            advantages.append(group_advantages(scores[None])[0])
-            watch += torch.tensor([scores.sum(), scores.std(), float(scores.std() == 0), 1.0], dtype=torch.float64)
-        else:
-            kept = torch.zeros_like(completion, dtype=torch.bool)
-            advantages.append(torch.zeros(G, dtype=torch.float64))
-        for row, keep in zip(completion, kept):
-            rows.append((torch.cat([ids[:length], row]), torch.cat([torch.full_like(ids[:length], -100),
-                                                                   row.masked_fill(~keep, -100)])))
-    width = max(len(r) for r, _ in rows)  # right padding: a causal model's earlier positions never see it
-    padded = [(torch.nn.functional.pad(r, (0, width - len(r)), value=PAD_ID),
-               torch.nn.functional.pad(y, (0, width - len(y)), value=-100)) for r, y in rows]
-    input_ids, labels = (torch.stack(column) for column in zip(*padded))
-    return input_ids, labels, torch.cat(advantages).float().to(device), watch.to(device)
+def step_rollouts(model, micro_batches, train_ds, args, epoch: int, autocast, device):  # grpo
+    """The step's rollouts, before any loss (it divides by their tokens): per micro-batch (input_ids, labels,
+    advantages); this rank's completion tokens; the numbers a user watches (tracking.watched_metrics)."""
+    done, watched = [], torch.zeros(4, dtype=torch.float64)
+    for indices, prompts, prompt_labels in micro_batches:
+        input_ids, labels, texts = sample_groups(model, [indices, prompts.to(device), prompt_labels.to(device)],
+                                                 train_ds.encoder, args.num_generations, args.max_completion_len,
+                                                 args.temperature, args.seed * 1_000_003 + epoch, autocast)
+        scores, counts = score_groups(train_ds.rewards, texts, [train_ds.answer(i) for i in indices.tolist()])
+        done.append((input_ids, labels, group_advantages(scores).flatten().float().to(device)))
+        watched += counts
+    local_tokens = sum((labels[:, 1:] != -100).sum() for _, labels, _ in done).double()
+    return done, local_tokens, torch.cat([watched.to(device), local_tokens[None], local_tokens.new_zeros(2)])
 
 
-def completion_losses(model, ref_model, input_ids, labels, advantages, args):  # grpo
-    """GRPO's loss per completion token of a micro-batch (0 elsewhere), [KL sum, clipped tokens], the aux loss.
+def completion_losses(model, ref_model, input_ids, labels, advantages, args, watch: torch.Tensor):  # grpo
+    """GRPO's loss per completion token (0 elsewhere), the aux loss; adds the KL sum, clipped tokens to watch[-2:].
     The old log-probabilities are the sampling policy's: these weights, detached (one update per rollout)."""
-    out = model(input_ids, labels=labels, loss_reduction="none")
-    logps = -out.loss  # at position t: log p of token t + 1 (the model shifts the labels)
-    with torch.no_grad():  # the reference is not trained
-        ref_logps = -ref_model(input_ids, labels=labels, loss_reduction="none").loss
-    mask = torch.nn.functional.pad(labels[:, 1:] != -100, (0, 1)).float()  # the completion's tokens
-    per_token, kl, clipped = grpo_loss(logps, logps.detach(), ref_logps, advantages, args.beta, args.clip_eps)
-    return per_token * mask, torch.stack([(kl * mask).sum(), (clipped * mask).sum()]).double(), out.aux_loss
-
-
-def watched_metrics(watch: torch.Tensor, group_size: int) -> dict:  # grpo
-    """What a user watches of a step, over all ranks (a collective: every rank logs the same steps): the mean
-    reward, the reward's std within a group, the share of groups without signal (all alike), the completion
-    length in tokens, the KL to the reference per token and the share of tokens whose ratio was clipped."""
-    reward_sum, std_sum, no_signal, groups, tokens, kl_sum, clipped = sum_over_ranks(watch.clone()).tolist()
-    groups, completions = max(groups, 1.0), max(groups * group_size, 1.0)
-    return {"reward": reward_sum / completions, "reward_std": std_sum / groups, "no_signal": no_signal / groups,
-            "completion_len": tokens / completions, "kl": kl_sum / max(tokens, 1.0),
-            "clip_fraction": clipped / max(tokens, 1.0)}
+    out = model(input_ids, labels=labels, loss_reduction="none")  # out.loss at t: -log p of token t + 1
+    ref_logps = -ref_model(input_ids, labels=labels, loss_reduction="none").loss  # frozen weights: no graph kept
+    mask = torch.nn.functional.pad(labels[:, 1:] != -100, (0, 1)).float()  # the completion's tokens, as out.loss
+    losses, kl, clipped = grpo_loss(-out.loss, -out.loss.detach(), ref_logps, advantages, args.beta, args.clip_eps)
+    watch[-2:] += torch.stack([(kl * mask).sum(), (clipped * mask).sum()]).detach().double()
+    return losses * mask, out.aux_loss
 
 
 def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds, val_ds, run: RunSpec, lm_config,
                 dist_info, policy: AnomalyPolicy, stop: StopRequest, stop_at: float, tracker: Tracker,
-                saver: BackgroundSaver,  # grpo
-                ref_model: torch.nn.Module, rewards: dict) -> tuple[Position, bool]:  # grpo: reference, rewards
+                saver: BackgroundSaver, ref_model) -> tuple[Position, bool]:  # grpo: + the frozen reference
     """Train from `at` to the epoch's end (False), a stop, --max_steps or the run's end (True); a rollback raises."""
     n, global_batch, rank, world_size = run.num_samples, run.global_batch, dist_info.rank, dist_info.world_size
     sampler = SkipBatchSampler(epoch_order(args.seed, at.epoch, n), at.samples_consumed, global_batch,
@@ -212,27 +149,21 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
         # The LR at the position this step reaches, so the first step already trains.
         progress = (at.epoch * n + at.samples_consumed + window) / (args.epochs * n)
         lr = get_lr(progress, args.learning_rate, args.warmup_ratio) * lr_scale
-        # The step's rollouts first, all of them: the loss divides by their completion tokens  # grpo
-        on_device = [rollout(unwrap(model), [t.to(dist_info.device) for t in batch], train_ds, rewards, args,  # grpo
-                             at.epoch, autocast) for batch in micro_batches]  # grpo
+        on_device, local_tokens, watch = step_rollouts(unwrap(model), micro_batches, train_ds, args, at.epoch,  # grpo
+                                                       autocast, dist_info.device)  # grpo
         # The loss is a sum over completion tokens divided by those of the WHOLE global batch  # grpo
         # (all ranks, all micro-steps), so the gradient does not depend on how the batch is split.
-        local_tokens = sum((y[:, 1:] != -100).sum() for _, y, _, _ in on_device).double()  # grpo
         global_tokens = sum_over_ranks(local_tokens.clone())
         loss_scale = world_size / global_tokens.clamp(min=1.0)  # x world_size: DDP averages over ranks
         loss_sum = torch.zeros((), dtype=torch.float64, device=dist_info.device)
-        watch = torch.cat([sum(w for _, _, _, w in on_device), local_tokens[None], torch.zeros(  # grpo
-            2, dtype=torch.float64, device=dist_info.device)])  # grpo: + KL sum, clipped tokens, below
-        for i, (input_ids, labels, advantages, _) in enumerate(on_device):  # grpo
+        for i, rollout in enumerate(on_device):  # grpo: (input_ids, labels, advantages)
             # Only the last micro-step all-reduces the gradients; the others just accumulate.
             with no_sync(model, accumulate_only=i < len(on_device) - 1):
                 with autocast:
-                    losses, kl_clipped, aux_loss = completion_losses(model, ref_model, input_ids, labels,  # grpo
-                                                                     advantages, args)  # grpo
+                    losses, aux_loss = completion_losses(model, ref_model, *rollout, args, watch)  # grpo
                     loss = losses.sum() * loss_scale + aux_loss / len(on_device)  # grpo
                 scaler.scale(loss).backward()
             loss_sum += losses.detach().sum().double()  # grpo
-            watch[-2:] += kl_clipped  # grpo
         scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         for group in optimizer.param_groups:
@@ -280,8 +211,6 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
 def main() -> None:
     # ---- 1. Flags ------------------------------------------------------------------------------
     args = parse_args()
-    grpo_refusals(args)  # grpo
-    rewards = reward_functions(args.rewards)  # grpo: a name that is none is one line (exit 2)
 
     # ---- 2. Distributed init: one process, or one per GPU (or CPU rank) under torchrun -----------
     dist_info = init_distributed(args.device)
@@ -292,13 +221,12 @@ def main() -> None:
     # ---- 3. Data and batch geometry: the files are indexed and checked before any training ------
     tokenizer = load_tokenizer(args.tokenizer_path)
     train_ds = GRPODataset(args.data_path, tokenizer, args.max_seq_len - args.max_completion_len,  # grpo
-                           needs_answer=bool(NEEDS_ANSWER & set(rewards)))  # grpo: refused before training
-    val_ds = None  # grpo: no validation loss (grpo_refusals)
+                           rewards=reward_functions(args.rewards))  # grpo: a name that is none: one line, exit 2
+    val_ds = None  # grpo: no validation loss (flag_checks.check_grpo_flags refuses --val_data)
     n = len(train_ds)
     accumulation, global_batch = resolve_accumulation(args.batch_size, world_size, args.accumulation_steps,
                                                       args.global_batch_size)
-    # The reference: --from_weight's model, frozen; the checkpoint names its file by hash (a resume compares it)  # grpo
-    ref_model, base_identity = frozen_model(args, model_config(args, tokenizer.get_vocab_size()), log)  # grpo
+    ref_model, base_identity = frozen_model(args, model_config(args, tokenizer.get_vocab_size()), log)  # grpo: frozen
     run = RunSpec({**resume_settings(args, accumulation, world_size), **base_identity},  # grpo
                   data_fingerprint(train_ds.source), n, global_batch, given_sizes(args), args.resume_path)  # grpo
 
@@ -349,7 +277,7 @@ def main() -> None:
             try:
                 at, stopped = train_epoch(args, at, model, optimizer, scaler, autocast, train_ds, val_ds, run,
                                           lm_config, dist_info, policy, stop, stop_at, tracker, saver,  # grpo
-                                          ref_model, rewards)  # grpo
+                                          ref_model)  # grpo
             except Rollback as rollback:  # back to the newest checkpoint; the bad window is stepped over
                 optimizer.zero_grad(set_to_none=True)
                 finish_saves(saver)  # the newest checkpoint must be complete before we look for it
