@@ -59,7 +59,14 @@ def format_reward(completions: list[str], answers: list[str | None]) -> list[flo
     return [0.5 if ANSWER_LAYOUT.fullmatch(completion) else 0.0 for completion in completions]
 
 
-REWARDS: dict[str, Callable[[list[str], list], list[float]]] = {"answer": answer_reward, "format": format_reward}
+def brevity_reward(completions: list[str], answers: list[str | None]) -> list[float]:
+    """1.0 for an empty final answer, down to 0.0 at 200 characters or more: short answers (minimind's GRPO has a
+    length rule too). A random model's completions already differ in it, so a run has signal from its first step."""
+    return [1.0 - min(len(final_answer(completion)), 200) / 200 for completion in completions]
+
+
+REWARDS: dict[str, Callable[[list[str], list], list[float]]] = {"answer": answer_reward, "format": format_reward,
+                                                                "brevity": brevity_reward}
 NEEDS_ANSWER = {"answer"}  # the rewards that compare with the reference answer: a line must have one
 
 
