@@ -85,9 +85,11 @@ def sample_groups(model, micro_batch: list[torch.Tensor], encoder: ChatEncoder, 
     """G completions of each prompt of a micro-batch ((indices, input_ids, labels) as the loader gives them), with
     the model's KV-cache generation, the G of a prompt in one batch, drawn with a generator seeded by
     (seed, the prompt's index): the same completions on any rank, after any resume. Returns input_ids and
-    labels [prompts x G, T] (prompt + completion, right-padded; the labels cover the completion through its end
-    of text) and each prompt's G decoded completions (None for the loader's placeholder, whose rows add nothing)."""
-    indices, prompts, prompt_labels = micro_batch
+    labels [prompts x G, T] on the model's device (prompt + completion, right-padded; the labels cover the
+    completion through its end of text) and each prompt's G decoded completions (None for the loader's
+    placeholder, whose rows add nothing)."""
+    device = next(model.parameters()).device
+    indices, prompts, prompt_labels = micro_batch[0], micro_batch[1].to(device), micro_batch[2].to(device)
     rows, texts = [], []
     for index, ids, labels in zip(indices.tolist(), prompts, prompt_labels):
         prompt = ids[labels != IGNORE_INDEX]  # empty: the placeholder

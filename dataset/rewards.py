@@ -99,12 +99,11 @@ def score(functions: dict[str, Callable], completions: list[str], answers: list[
     return totals
 
 
-def score_groups(functions: dict[str, Callable], groups: list[list[str] | None],
-                 answers: list[str | None]) -> tuple[torch.Tensor, torch.Tensor]:
+def score_groups(functions: dict[str, Callable], groups: list[list[str] | None], answers: list[str | None],
+                 group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[prompts, G] rewards of each prompt's group of completions (None: the loader's placeholder, zeros), and what
     a user watches of them: [reward sum, in-group std sum, groups without signal (all alike), groups]."""
-    size = max([len(group) for group in groups if group is not None], default=1)
-    scores = torch.tensor([score(functions, group, [answer] * size) if group is not None else [0.0] * size
+    scores = torch.tensor([score(functions, group, [answer] * group_size) if group is not None else [0.0] * group_size
                            for group, answer in zip(groups, answers)], dtype=torch.float64)
     real = torch.tensor([group is not None for group in groups])
     std = scores.std(dim=1)

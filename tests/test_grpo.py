@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections import defaultdict
 from contextlib import nullcontext
 from types import SimpleNamespace
@@ -22,7 +23,8 @@ from dataset.rewards import RewardError, answer_reward, format_reward, reward_fu
 from model.model import CausalLM, LMConfig
 from model.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
 from test_dpo import TINY, write_jsonl
-from trainer.train_grpo import completion_losses, group_advantages, grpo_loss
+from trainer.hardening.resume_checks import ConfigError
+from trainer.train_grpo import completion_losses, group_advantages, grpo_loss, parse_args
 
 
 def question(q: str, answer: str | None, before: list | None = None) -> dict:
@@ -221,8 +223,23 @@ def test_a_reward_that_raises_returns_nan_or_the_wrong_count_is_one_line_naming_
         reward_functions("answer,typo")
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--num_generations", "1"], "--num_generations 1: must be an integer >= 2"),
+    (["--parallel", "fsdp"], "--parallel fsdp: GRPO samples with the model's own generation, whose number of"),
+    (["--max_completion_len", "64", "--max_seq_len", "64"], "--max_completion_len 64: must be below --max_seq_len 64"),
+    (["--val_data", "dataset/sft_demo_eval.jsonl"], "--val_data: GRPO has no validation loss"),
+    (["--clip_eps", "1"], "--clip_eps 1.0: must be in (0, 1)")])
+def test_flags_grpo_cannot_use_are_refused_with_the_reason(monkeypatch, flags, message):
+    monkeypatch.setattr(sys, "argv", ["train_grpo.py", "--device", "cpu", *flags])
+    with pytest.raises(ConfigError) as refused:
+        parse_args()
+    assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
+
+
 def test_score_groups_counts_what_a_user_watches():
-    scores, watched = score_groups(reward_functions("answer"), [["4", "5"], ["6", "6"], None], ["4", "6", None])
+    scores, watched = score_groups(reward_functions("answer"), [["4", "5"], ["6", "6"], None], ["4", "6", None], 2)
     assert scores.tolist() == [[1.0, 0.0], [1.0, 1.0], [0.0, 0.0]]  # the placeholder: zeros, advantages 0
     # reward sum 3, in-group std sum sqrt(0.5) + 0, one group of two without signal, two real groups
     assert watched.tolist() == pytest.approx([3.0, math.sqrt(0.5), 1.0, 2.0])
+    alone, _ = score_groups(reward_functions("answer"), [None], [None], 3)  # a rank's micro-batch of a placeholder
+    assert alone.tolist() == [[0.0] * 3] and group_advantages(alone).tolist() == [[0.0] * 3]  # not NaN

@@ -105,12 +105,11 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, beta: float, clip_eps: fl
 def step_rollouts(model, micro_batches, train_ds, args, epoch: int, autocast, device):  # grpo
     """The step's rollouts, before any loss (it divides by their tokens): per micro-batch (input_ids, labels,
     advantages); this rank's completion tokens; the numbers a user watches (tracking.watched_metrics)."""
-    done, watched = [], torch.zeros(4, dtype=torch.float64)
-    for indices, prompts, prompt_labels in micro_batches:
-        input_ids, labels, texts = sample_groups(model, [indices, prompts.to(device), prompt_labels.to(device)],
-                                                 train_ds.encoder, args.num_generations, args.max_completion_len,
+    done, watched, G = [], torch.zeros(4, dtype=torch.float64), args.num_generations
+    for batch in micro_batches:  # (indices, prompts, their labels) as the loader gives them
+        input_ids, labels, texts = sample_groups(model, batch, train_ds.encoder, G, args.max_completion_len,
                                                  args.temperature, args.seed * 1_000_003 + epoch, autocast)
-        scores, counts = score_groups(train_ds.rewards, texts, [train_ds.answer(i) for i in indices.tolist()])
+        scores, counts = score_groups(train_ds.rewards, texts, [train_ds.answer(i) for i in batch[0].tolist()], G)
         done.append((input_ids, labels, group_advantages(scores).flatten().float().to(device)))
         watched += counts
     local_tokens = sum((labels[:, 1:] != -100).sum() for _, labels, _ in done).double()
