@@ -243,3 +243,18 @@ def test_score_groups_counts_what_a_user_watches():
     assert watched.tolist() == pytest.approx([3.0, math.sqrt(0.5), 1.0, 2.0])
     alone, _ = score_groups(reward_functions("answer"), [None], [None], 3)  # a rank's micro-batch of a placeholder
     assert alone.tolist() == [[0.0] * 3] and group_advantages(alone).tolist() == [[0.0] * 3]  # not NaN
+
+
+def test_the_anomaly_policy_judges_no_loss_spike_in_grpo_but_still_a_grad_norm_explosion():
+    """GRPO's loss is about 0 and of either sign, on fresh completions each step: a rise above its recent mean is
+    no sign of trouble (a 2-rank run's step 10 of 0.16 after nine of about 0 was reported as a spike)."""
+    from trainer.hardening.anomaly_policy import AnomalyPolicy
+
+    flags = dict(on_anomaly="stop", patience=0, max_rollbacks=3, rollback_lr_factor=1.0, max_skipped_steps=20)
+    for stage, expected in [({}, "loss spike"), ({"num_generations": 4}, None)]:
+        detector = AnomalyPolicy(SimpleNamespace(**flags, **stage), None, True, {}, print).guard.detector
+        for step, loss in enumerate([0.0, 1e-4, -1e-4, 0.0, 2e-4, -2e-4, 0.0, 1e-4, 0.0], start=1):
+            assert detector.check(step, loss, 1.0) is None
+        reason = detector.check(10, 0.1636, 1.0)
+        assert (reason or "").startswith(expected or "") and (reason is None) == (expected is None), reason
+        assert detector.check(11, 0.0, 50.0).startswith("grad norm explosion at step 11")
