@@ -1,7 +1,8 @@
 """trainer/train_grpo.py keeps every guarantee of the SFT stage, proven with real python/torchrun gloo processes
 at the TINY_MODEL size: the same gradient however the global batch is split (rollouts included), under python or
 torchrun, across a resume; a run that trains, logs what a user watches and saves; a resume in one process bit
-for bit; one-line errors for bad flags and data. Behind TRAINER_SLOW_TESTS=1: a resume on 2 ranks bit-identical
+for bit; one-line errors for a bad reward name, a line without an answer and a reward that fails mid-run (the
+last checkpoint stays the newest). Behind TRAINER_SLOW_TESTS=1: a resume on 2 ranks bit-identical
 with the metrics and status files, rotated checkpoints and the tracker run id carried over, and a changed
 reference refused; a resume on 2 -> 3 -> 1 ranks training each prompt's group once; a SIGTERM that saves.
 """
@@ -17,13 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (assert_each_sample_once, assert_states_equal, child_pids, events_of, history_file,
+from conftest import (TINY_MODEL, assert_each_sample_once, assert_states_equal, child_pids, events_of, history_file,
                       launch_command, metrics_of, read_trace, resume_file, run_args, slowed_env, status_of, trace_of,
                       train, with_loader_workers)
 from model.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
 from test_dpo import write_jsonl, write_reference
 from test_grpo import question, sum_questions
 from trainer.hardening.durable_files import sha256_of
+from trainer.hardening.process_exit import run_script
+from trainer.hardening.run_lock import release_held
 
 SCRIPT, RUN = "train_grpo.py", "grpo_32"
 SLOW = pytest.mark.skipif(os.environ.get("TRAINER_SLOW_TESTS") != "1",
@@ -173,3 +176,40 @@ def test_sigterm_saves_exits_zero_and_the_resume_trains_each_prompt_once(tmp_pat
     train(SCRIPT, 2, [*args, "--from_resume", "1"], tmp_path)
     assert events_of(tmp_path, RUN) == [("resume", stopped_at)] and status_of(tmp_path, RUN)["status"] == "completed"
     assert_each_sample_once(trace_of(tmp_path), num_samples=11, epochs=2)
+
+
+def test_a_reward_that_fails_mid_run_is_one_line_exit_2_and_the_last_checkpoint_stays(tmp_path, prompts, monkeypatch,
+                                                                                     capsys):
+    """A user's reward raises at step 3 (in this process, as REWARDS is the registry a user adds to): the run stops
+    with one line naming it before step 3 is applied, and step 2's checkpoint is the newest and verifies."""
+    from dataset import rewards
+    from trainer import train_grpo
+    from trainer.hardening import checkpoint_io as cio
+
+    calls = []
+
+    def flaky(completions, answers):  # fine for the 4 groups of steps 1 and 2, then raises
+        calls.append(len(completions))
+        if len(calls) > 4:
+            raise ZeroDivisionError("division by zero")
+        return [0.0] * len(completions)
+
+    monkeypatch.setitem(rewards.REWARDS, "flaky", flaky)
+    args = [a if a != "answer,brevity" else "brevity,flaky" for a in grpo_args(tmp_path, prompts, "--batch_size", "2",
+                                                                               "--save_interval", "1", "--async_save", "0")]
+    monkeypatch.setattr("sys.argv", ["train_grpo.py", *TINY_MODEL, *args])
+    handlers = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            run_script(train_grpo.main)
+    finally:  # what the run set up in this process, which a script's exit would have undone
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
+        release_held()
+    error = capsys.readouterr().err.strip()
+    assert stopped.value.code == 2 and error == (
+        "error: reward 'flaky' (test_grpo_runs.test_a_reward_that_fails_mid_run_is_one_line_exit_2_and_the_last_"
+        "checkpoint_stays.<locals>.flaky) raised ZeroDivisionError: division by zero"), error
+    history = cio.RunFiles(tmp_path / "ckpt", RUN).history()
+    assert [int(p.name[5:13]) for p in history][0] == 2 and cio.verify(history[0]) is None
+    assert [r["step"] for r in trace_of(tmp_path) if "loss" in r] == [1, 2]  # step 3 never trained
