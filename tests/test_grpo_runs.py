@@ -22,6 +22,7 @@ from conftest import (TINY_MODEL, assert_each_sample_once, assert_states_equal, 
                       launch_command, metrics_of, read_trace, resume_file, run_args, slowed_env, status_of, trace_of,
                       train, with_loader_workers)
 from model.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
+from scripts.plot_metrics import metrics_figure
 from test_dpo import write_jsonl, write_reference
 from test_grpo import question, sum_questions
 from trainer.hardening.durable_files import sha256_of
@@ -90,6 +91,8 @@ def test_a_run_trains_logs_what_a_user_watches_saves_and_resumes_bit_identically
     assert 0 < metrics[0]["reward"] < 2 and metrics[0]["no_signal"] < 1 and metrics[0]["completion_len"] > 0
     assert metrics[0]["kl"] == 0 < metrics[1]["kl"]  # step 1 samples from the reference's own weights; then it moves
     assert "reward " in whole.stdout and " kl " in whole.stdout and "clip_fraction" in whole.stdout
+    assert [ax.get_ylabel() for ax in metrics_figure(metrics_of(straight, RUN)).axes] == [
+        "loss (nats per token)", "reward", "learning rate", "grad norm"]  # scripts/plot_metrics.py draws the reward
     weights = torch.load(straight / "out" / "grpo_32.pth", weights_only=True)  # the next stage's (FP16) weights
     assert all(t.dtype == torch.float16 for t in weights.values()) and status_of(straight, RUN)["status"] == "stopped"
     train(SCRIPT, None, grpo_args(split, prompts, *common, "--max_steps", "2"), tmp_path)
