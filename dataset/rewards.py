@@ -17,8 +17,9 @@ import re
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
-from dataset.jsonl_file import DataFileError
+from dataset.jsonl_file import DataFileError, collective_device
 
 THINK_BLOCK = re.compile(r"<think>.*?</think>", re.DOTALL)
 # The layout the chat template gives an answer: a think block, a blank line, then the answer itself.
@@ -102,9 +103,30 @@ def score(functions: dict[str, Callable], completions: list[str], answers: list[
 def score_groups(functions: dict[str, Callable], groups: list[list[str] | None], answers: list[str | None],
                  group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[prompts, G] rewards of each prompt's group of completions (None: the loader's placeholder, zeros), and what
-    a user watches of them: [reward sum, in-group std sum, groups without signal (all alike), groups]."""
-    scores = torch.tensor([score(functions, group, [answer] * group_size) if group is not None else [0.0] * group_size
-                           for group, answer in zip(groups, answers)], dtype=torch.float64)
+    a user watches of them: [reward sum, in-group std sum, groups without signal (all alike), groups]. Every rank
+    calls it once per micro-step (as many on each), so a reward that fails on one rank stops them all here."""
+    error, scores = None, torch.zeros(len(groups), group_size, dtype=torch.float64)
+    try:
+        scores = torch.tensor([score(functions, group, [answer] * group_size) if group is not None else
+                               [0.0] * group_size for group, answer in zip(groups, answers)], dtype=torch.float64)
+    except RewardError as caught:
+        error = caught
+    raise_on_every_rank(error)
     real = torch.tensor([group is not None for group in groups])
     std = scores.std(dim=1)
     return scores, torch.stack([scores[real].sum(), std[real].sum(), (std[real] == 0).sum(), real.sum()]).double()
+
+
+def raise_on_every_rank(error: RewardError | None) -> None:
+    """Every rank raises where a reward failed on any rank (the others would wait for it in the step's all-reduce),
+    with the failing rank's message, which rank 0 prints. A 1-number all-reduce; the messages only on failure."""
+    if dist.is_initialized():
+        failed = torch.tensor([float(error is not None)], device=collective_device())
+        dist.all_reduce(failed)
+        if failed.item():
+            messages = [None] * dist.get_world_size()
+            dist.all_gather_object(messages, None if error is None else str(error))
+            rank, message = next((rank, message) for rank, message in enumerate(messages) if message is not None)
+            raise RewardError(f"on rank {rank}: {message}")
+    if error is not None:
+        raise error

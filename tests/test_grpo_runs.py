@@ -4,7 +4,8 @@ torchrun, across a resume; a run that trains, logs what a user watches and saves
 for bit; one-line errors for a bad reward name, a line without an answer and a reward that fails mid-run (the
 last checkpoint stays the newest). Behind TRAINER_SLOW_TESTS=1: a resume on 2 ranks bit-identical
 with the metrics and status files, rotated checkpoints and the tracker run id carried over, and a changed
-reference refused; a resume on 2 -> 3 -> 1 ranks training each prompt's group once; a SIGTERM that saves.
+reference refused; a resume on 2 -> 3 -> 1 ranks training each prompt's group once; a SIGTERM that saves; a
+reward that fails on rank 1 only stopping both ranks with its line.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (TINY_MODEL, assert_each_sample_once, assert_states_equal, child_pids, events_of, history_file,
+from conftest import (REPO, TINY_MODEL, assert_each_sample_once, assert_states_equal, child_pids, events_of, history_file,
                       launch_command, metrics_of, read_trace, resume_file, run_args, slowed_env, status_of, trace_of,
                       train, with_loader_workers)
 from model.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
@@ -216,3 +217,39 @@ def test_a_reward_that_fails_mid_run_is_one_line_exit_2_and_the_last_checkpoint_
     history = cio.RunFiles(tmp_path / "ckpt", RUN).history()
     assert [int(p.name[5:13]) for p in history][0] == 2 and cio.verify(history[0]) is None
     assert [r["step"] for r in trace_of(tmp_path) if "loss" in r] == [1, 2]  # step 3 never trained
+
+
+FAILS_ON_RANK_1 = """
+import os, sys
+sys.path.insert(0, {repo!r})  # (the script puts the repository first on the path too)
+from dataset import rewards
+
+
+def fails_on_rank_1(completions, answers):
+    if os.environ.get("RANK") == "1" and os.environ.get("GRPO_TEST_STEP_1_DONE"):
+        raise ValueError("no score on rank 1")
+    os.environ["GRPO_TEST_STEP_1_DONE"] = "1"
+    return [0.0] * len(completions)
+
+
+rewards.REWARDS["fails_on_rank_1"] = fails_on_rank_1
+"""
+
+
+@SLOW
+def test_a_reward_that_fails_on_one_rank_stops_every_rank_with_its_line(tmp_path, prompts):
+    """A user's reward (added to REWARDS from outside, by a sitecustomize) raises on rank 1 at its second call:
+    rank 0, which would wait for rank 1 in the step's all-reduce, stops too, and prints rank 1's line."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(FAILS_ON_RANK_1.format(repo=str(REPO)), encoding="utf-8")
+    args = [a if a != "answer,brevity" else "brevity,fails_on_rank_1" for a in grpo_args(tmp_path, prompts,
+                                                                                         "--batch_size", "1")]
+    result = train(SCRIPT, 2, args, tmp_path, check=False, PYTHONPATH=site)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode != 0 and errors == [
+        "error: on rank 1: reward 'fails_on_rank_1' (sitecustomize.fails_on_rank_1) raised ValueError: no score on "
+        "rank 1"], result.stderr[-3000:]
+    # The traceback torchrun prints is its own (no frame of ours); its summary names our line for each rank.
+    assert f'File "{REPO}' not in result.stderr and result.stderr.count("traceback : error: on rank 1: reward") == 2
+    assert [r["step"] for r in trace_of(tmp_path)] == [1, 1]  # step 2 applied on no rank
