@@ -95,7 +95,8 @@ def sample_groups(model, micro_batch: list[torch.Tensor], encoder: ChatEncoder, 
         prompt = ids[labels != IGNORE_INDEX]  # empty: the placeholder
         completion = torch.full((group_size, 1), PAD_ID, device=ids.device)
         if len(prompt):
-            generator = torch.Generator(ids.device).manual_seed(seed * 1_000_003 + index)
+            # (modulo 2**63: a generator's seed is 64 bits; --seed up to 2**31 times the epoch factor exceeds it)
+            generator = torch.Generator(ids.device).manual_seed((seed * 1_000_003 + index) % 2**63)
             with autocast:
                 completion = model.generate(prompt.repeat(group_size, 1), max_new_tokens, temperature,
                                             eos_token_id=EOS_ID, generator=generator)[:, len(prompt):]

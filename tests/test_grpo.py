@@ -191,6 +191,7 @@ def test_the_groups_are_drawn_by_their_prompt_and_seed_not_by_the_batch_they_are
     assert torch.equal(alone_ids[:3][trained], together[0][3:][together[1][3:] != -100])
     assert trained.any(dim=1).all()  # every completion has its tokens labelled
     assert draw([0, 2], seed=8)[2] != together[2]  # another seed (another epoch): other completions
+    assert draw([2], seed=(2**31 - 1) * 1_000_003 + 5)[2][0]  # the largest --seed, a later epoch: still a seed
 
 
 # ---- the rewards -------------------------------------------------------------------------------
