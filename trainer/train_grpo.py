@@ -3,9 +3,10 @@
 Per prompt, G completions sampled by the policy (seeded by seed, epoch and prompt: a resume samples them alike),
 scored by Python rewards (dataset/rewards.py); an advantage is a reward against its group's, (r - mean) / (std + eps);
 the loss per token: PPO's clipped policy gradient + beta x KL to the frozen reference (out/full_sft_*.pth, named by
-hash as DPO's), over the global batch's completion tokens. What changes from train_full_sft.py: the lines marked
-`# grpo`; gone: `--system_prompt_ratio`, `--drop_empty_think_ratio`, `train_ds.set_epoch`, `local_tokens = sum(`.
-"""
+hash as DPO's), over the global batch's completion tokens; writes out/grpo_{hidden}.pth. Run it as SFT's script:
+    python trainer/train_grpo.py  |  torchrun --nproc_per_node 2 trainer/train_grpo.py  |  ... --from_resume 1
+What changes from train_full_sft.py: the lines marked `# grpo`; gone: `--system_prompt_ratio`,
+`--drop_empty_think_ratio`, `train_ds.set_epoch`, `local_tokens = sum(` (counted in step_rollouts)."""
 
 import argparse
 import sys
