@@ -105,7 +105,8 @@ def test_grpo_loss_equals_trls_own_grpo_trainer_on_the_same_log_probabilities():
         _entropy_bonus_enabled=False, _metrics={"train": defaultdict(list)},
         args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1),
         _get_per_token_logps_and_entropies=lambda *args, **kwargs: (logps, torch.zeros_like(logps), None))
-    inputs = {"prompt_ids": torch.zeros(rows, 2, dtype=torch.long), "prompt_mask": torch.ones(rows, 2, dtype=torch.long),
+    inputs = {"prompt_ids": torch.zeros(rows, 2, dtype=torch.long),
+              "prompt_mask": torch.ones(rows, 2, dtype=torch.long),
               "completion_ids": torch.zeros(rows, length, dtype=torch.long), "completion_mask": mask,
               "advantages": advantages, "old_per_token_logps": old, "ref_per_token_logps": ref,
               "num_items_in_batch": mask.sum()}
@@ -115,7 +116,8 @@ def test_grpo_loss_equals_trls_own_grpo_trainer_on_the_same_log_probabilities():
     losses, _, clipped = grpo_loss(logps, old, ref, advantages, beta, eps)
     ours = (losses * mask).sum() / mask.sum()  # the loop: summed, divided by the global batch's completion tokens
     (our_gradient,) = torch.autograd.grad(ours, logps)
-    assert abs(float((ours - trl_loss).detach())) < 1e-12 and torch.allclose(our_gradient, trl_gradient, rtol=0, atol=1e-12)
+    assert abs(float((ours - trl_loss).detach())) < 1e-12
+    assert torch.allclose(our_gradient, trl_gradient, rtol=0, atol=1e-12)
     assert 0 < clipped[mask.bool()].float().mean() < 1  # the case clips some tokens, not all
     assert trainer._metrics["train"]["clip_ratio/region_mean"][0] == pytest.approx(
         float(clipped[mask.bool()].float().mean()), abs=1e-12)  # TRL's clip metric is ours
@@ -139,7 +141,8 @@ def test_the_gradient_is_the_same_however_the_rollouts_are_split_into_micro_batc
         model.zero_grad()
         for part in parts:
             watch = torch.zeros(7, dtype=torch.float64)
-            losses, _ = completion_losses(model, ref_model, input_ids[part], labels[part], advantages[part], args, watch)
+            losses, _ = completion_losses(model, ref_model, input_ids[part], labels[part], advantages[part], args,
+                                          watch)
             (losses.sum() / tokens).backward()
         return [p.grad.clone() for p in model.parameters()]
 
