@@ -384,10 +384,12 @@ class CausalLM(nn.Module):
         top_p: float = 1.0,
         top_k: int = 0,
         eos_token_id: int | None = None,
+        generator: torch.Generator | None = None,
     ) -> torch.Tensor:
         """Continue `input_ids` (batch, seq) by up to `max_new_tokens`; returns prompt + new tokens.
 
-        temperature < 1e-5 (0 included) means greedy. A sequence stops at `eos_token_id` (None: never stop
+        temperature < 1e-5 (0 included) means greedy; `generator` (on the model's device) draws the samples
+        instead of the global RNG (GRPO's rollouts: drawn again alike after a resume). A sequence stops at `eos_token_id` (None: never stop
         early); in a batch, finished rows are padded with pad_token_id until all rows are done.
         """
         was_training = self.training
@@ -396,7 +398,7 @@ class CausalLM(nn.Module):
         sequence = input_ids
         finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         for step in range(max_new_tokens):
-            next_token = sample_next_token(out.logits[:, -1].float(), temperature, top_k, top_p)
+            next_token = sample_next_token(out.logits[:, -1].float(), temperature, top_k, top_p, generator)
             if eos_token_id is not None:
                 next_token = next_token.masked_fill(finished, self.config.pad_token_id)
                 finished |= next_token == eos_token_id
@@ -408,7 +410,8 @@ class CausalLM(nn.Module):
         return sequence
 
 
-def sample_next_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+def sample_next_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                      generator: torch.Generator | None = None) -> torch.Tensor:
     """Pick one token per row of `logits` (batch, vocab): greedy, or sampled after top-k / top-p."""
     # Below 1e-5 sampling is greedy anyway (a logit gap of 0.001 becomes 100 nats), and a far smaller
     # temperature would overflow the logits to inf, whose softmax is nan.
@@ -426,4 +429,4 @@ def sample_next_token(logits: torch.Tensor, temperature: float, top_k: int, top_
         drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    return torch.multinomial(logits.softmax(dim=-1), num_samples=1).squeeze(-1)
+    return torch.multinomial(logits.softmax(dim=-1), num_samples=1, generator=generator).squeeze(-1)

@@ -1,4 +1,4 @@
-"""Draw a run's curves from its metrics file into a PNG: loss, bits per byte, learning rate, gradient norm.
+"""Draw a run's curves from its metrics file into a PNG: loss, bits per byte, (GRPO) reward, LR, gradient norm.
 
 The panels share the step axis. Validation loss (if any) is drawn over the training loss, and the
 validation's bits per byte (`val/bpb`, comparable across tokenizers) in a panel of its own below it
@@ -59,13 +59,17 @@ def metrics_figure(records: list[dict], run_name: str = "") -> Figure:
     resumes = [r["step"] for r in records if r.get("event") == "resume"]
     anomalies = [r["step"] for r in records if r.get("event") == "anomaly"]
     bpb = [r for r in val if "val/bpb" in r]  # older files have none
+    rewards = all("reward" in r for r in train)  # a GRPO run (trainer/train_grpo.py)
     steps = [r["step"] for r in train]
 
     # A Figure with its own Agg canvas, not pyplot: no global state, no display needed.
-    figure = Figure(figsize=(9, 10 if bpb else 8), layout="constrained")
+    figure = Figure(figsize=(9, 8 + 2 * bool(bpb) + 2 * rewards), layout="constrained")
     FigureCanvasAgg(figure)
-    axes = list(figure.subplots(4 if bpb else 3, 1, sharex=True))
-    loss_ax, bpb_ax, lr_ax, grad_ax = axes if bpb else [axes[0], None, *axes[1:]]
+    axes = list(figure.subplots(3 + bool(bpb) + rewards, 1, sharex=True))
+    loss_ax, *rest = axes
+    bpb_ax = rest.pop(0) if bpb else None
+    reward_ax = rest.pop(0) if rewards else None
+    lr_ax, grad_ax = rest
 
     loss_ax.plot(steps, values(train, "loss"), label="train loss")
     if val:
@@ -74,6 +78,12 @@ def metrics_figure(records: list[dict], run_name: str = "") -> Figure:
     if bpb:  # the number to compare with a run of another tokenizer: the loss per token is not
         bpb_ax.plot([r["step"] for r in bpb], values(bpb, "val/bpb"), "o-", color="tab:orange", label="val/bpb")
         bpb_ax.set_ylabel("val bits per byte")
+
+    if reward_ax is not None:  # GRPO: the mean reward, and the share of groups whose rewards were all alike
+        reward_ax.plot(steps, values(train, "reward"), color="tab:red", label="reward")
+        reward_ax.plot(steps, values(train, "no_signal"), color="tab:gray", label="groups without signal")
+        reward_ax.set_ylabel("reward")
+        reward_ax.legend(loc="upper left")
 
     lr_ax.plot(steps, values(train, "lr"), color="tab:green")
     lr_ax.set_ylabel("learning rate")

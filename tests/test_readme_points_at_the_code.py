@@ -41,8 +41,8 @@ def defined_names() -> set[str]:
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
                 names.add(node.name)
-            elif isinstance(node, ast.Assign):
-                names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+            elif isinstance(node, ast.Assign):  # `name = ...`, and each name of `a, b = ...`
+                names.update(t.id for target in node.targets for t in ast.walk(target) if isinstance(t, ast.Name))
     return names
 
 

@@ -1,6 +1,6 @@
 """The shape a learner relies on: each script carries its whole loop, and the two differ only where
-pretraining and SFT differ (the lines marked `# stage`); LoRA's and DPO's are SFT's with the lines marked
-`# lora` and `# dpo` changed; imports point one way."""
+pretraining and SFT differ (the lines marked `# stage`); LoRA's, DPO's and GRPO's are SFT's with the lines
+marked `# lora`, `# dpo` and `# grpo` changed; imports point one way."""
 
 from __future__ import annotations
 
@@ -9,13 +9,15 @@ import difflib
 import re
 from pathlib import Path
 
+import pytest
 from conftest import REPO
 
 SCRIPTS = ("train_pretrain.py", "train_full_sft.py")
-ALL_SCRIPTS = (*SCRIPTS, "train_lora.py", "train_dpo.py")  # each later stage's script is held to train_full_sft.py
+ALL_SCRIPTS = (*SCRIPTS, "train_lora.py", "train_dpo.py", "train_grpo.py")  # each later stage's script is held to train_full_sft.py
 # nanoGPT's train.py is about 340 lines; the anomaly policy lives in hardening/anomaly_policy.py. The later stages'
 # docstrings list what they change from SFT's.
-MAX_LINES = {"train_pretrain.py": 260, "train_full_sft.py": 260, "train_lora.py": 300, "train_dpo.py": 310}
+MAX_LINES = {"train_pretrain.py": 260, "train_full_sft.py": 260, "train_lora.py": 300, "train_dpo.py": 310,
+             "train_grpo.py": 300}
 
 
 def common_text(script: str) -> list[str]:
@@ -71,10 +73,11 @@ STEP_N_IN_ORDER = ("policy.before_step(", "get_lr(", "no_sync(model", ".backward
 POLICY_IN_THE_LOOP = ("policy.before_step(at)", "policy.judge(step, numbers)", "policy.state_dict()")
 
 
-def dpo_lines() -> list[tuple[str, bool]]:
-    """train_dpo.py without its module docstring and blank lines: (line, marked), marked where the line says
-    `# dpo` or belongs to a function (or its decorator) that train_full_sft.py lacks and whose `def` line says it."""
-    source = (REPO / "trainer" / "train_dpo.py").read_text(encoding="utf-8")
+def marked_lines(script: str = "train_dpo.py", mark: str = "dpo") -> list[tuple[str, bool]]:
+    """`script` without its module docstring and blank lines: (line, marked), marked where the line says
+    `# {mark}` or belongs to a function (or its decorator) that train_full_sft.py lacks and whose `def` line says
+    it."""
+    source = (REPO / "trainer" / script).read_text(encoding="utf-8")
     tree = ast.parse(source)
     lines = source.splitlines()
     sft_functions = {node.name for node in ast.parse((REPO / "trainer" / "train_full_sft.py").read_text(
@@ -82,28 +85,29 @@ def dpo_lines() -> list[tuple[str, bool]]:
     in_marked_function = set()
     for node in tree.body:
         if (isinstance(node, ast.FunctionDef) and node.name not in sft_functions
-                and re.search(r"# dpo\b", lines[node.lineno - 1])):
+                and re.search(rf"# {mark}\b", lines[node.lineno - 1])):
             first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
             in_marked_function.update(range(first, node.end_lineno + 1))
-    return [(line, number in in_marked_function or re.search(r"# dpo\b", line) is not None)
+    return [(line, number in in_marked_function or re.search(rf"# {mark}\b", line) is not None)
             for number, line in enumerate(lines, start=1) if number > tree.body[0].end_lineno and line.strip()]
 
 
-def test_train_dpo_is_train_full_sft_apart_from_the_lines_marked_dpo():
+@pytest.mark.parametrize("script, mark", [("train_dpo.py", "dpo"), ("train_grpo.py", "grpo")])
+def test_a_later_stage_is_train_full_sft_apart_from_its_marked_lines(script, mark):
     sft_source = (REPO / "trainer" / "train_full_sft.py").read_text(encoding="utf-8")
     sft = [line for line in sft_source.splitlines()[ast.parse(sft_source).body[0].end_lineno:] if line.strip()]
-    dpo = dpo_lines()
+    stage = marked_lines(script, mark)
     unmarked_added, dropped = [], []
-    matcher = difflib.SequenceMatcher(None, sft, [line for line, _ in dpo], autojunk=False)
+    matcher = difflib.SequenceMatcher(None, sft, [line for line, _ in stage], autojunk=False)
     for tag, i1, i2, j1, j2 in matcher.get_opcodes():
-        unmarked_added += [line for line, marked in dpo[j1:j2] if not marked and tag != "equal"]
-        dropped += sft[i1:i2] if tag == "delete" else []  # (a "replace" is SFT's lines changed into `# dpo` ones)
-    assert not unmarked_added, "lines of train_dpo.py that differ from train_full_sft.py without `# dpo`:\n" + \
+        unmarked_added += [line for line, marked in stage[j1:j2] if not marked and tag != "equal"]
+        dropped += sft[i1:i2] if tag == "delete" else []  # (a "replace" is SFT's lines changed into marked ones)
+    assert not unmarked_added, f"lines of {script} that differ from train_full_sft.py without `# {mark}`:\n" + \
         "\n".join(unmarked_added)
-    docstring = ast.get_docstring(ast.parse((REPO / "trainer" / "train_dpo.py").read_text(encoding="utf-8")))
+    docstring = ast.get_docstring(ast.parse((REPO / "trainer" / script).read_text(encoding="utf-8")))
     listed = re.findall(r"`([^`]+)`", docstring[docstring.index("What changes from train_full_sft.py"):])
     unlisted = [line for line in dropped if not any(name in line for name in listed)]
-    assert not unlisted and len(dropped) <= 5, f"SFT lines train_dpo.py drops, not in its docstring: {unlisted}"
+    assert not unlisted and len(dropped) <= 5, f"SFT lines {script} drops, not in its docstring: {unlisted}"
 
 
 def test_each_script_writes_out_the_step_the_save_and_the_sampler():
@@ -199,6 +203,7 @@ def test_the_loop_and_trainer_utils_read_as_simply_as_minimind():
     scores = {f"{script}:{f.name}": f.complexity for script in (*ALL_SCRIPTS, "trainer_utils.py")
               for f in complexipy.file_complexity(str(REPO / "trainer" / script)).functions}
     expected = {"train_pretrain.py:train_epoch", "train_lora.py:train_epoch", "train_dpo.py:train_epoch",
+                "train_grpo.py:train_epoch", "train_grpo.py:step_rollouts",
                 "trainer_utils.py:lm_checkpoint", "trainer_utils.py:load_checkpoint", "trainer_utils.py:read_on_host"}
     assert expected <= set(scores), scores
     assert all(score <= 30 for score in scores.values()), scores

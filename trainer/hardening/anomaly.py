@@ -165,10 +165,11 @@ def install_debug_injection(model: torch.nn.Module, spec: str | None, current_st
 class AnomalyGuard:
     """Applies the --on_anomaly policy to each step, and remembers which windows to step over."""
 
-    def __init__(self, policy: str, patience: int, max_rollbacks: int, lr_factor: float, max_skipped: int):
+    def __init__(self, policy: str, patience: int, max_rollbacks: int, lr_factor: float, max_skipped: int,
+                 spike_factor: float = 3.0):
         self.policy, self.max_rollbacks, self.lr_factor = policy, max_rollbacks, lr_factor
         self.max_skipped = max_skipped  # --max_skipped_steps
-        self.detector = AnomalyDetector(patience=patience)
+        self.detector = AnomalyDetector(spike_factor=spike_factor, patience=patience)
         self.rollbacks, self.lr_scale = 0, 1.0
         self.skipped_in_a_row = 0  # non-finite steps skipped under warn since the last one applied
         self.skip_windows: set[tuple[int, int]] = set()  # (epoch, cursor at the window's start)

@@ -21,6 +21,8 @@ Its memory (history, rollbacks, windows to step over) is saved in every checkpoi
 
 from __future__ import annotations
 
+import math
+
 from typing import Callable
 
 from trainer.hardening.anomaly import NOT_TRAINING, AnomalyGuard, AnomalyStop
@@ -49,8 +51,12 @@ class AnomalyPolicy:
                  log: Callable[[str], None]):
         """`gradients_finite_expected`: False under fp16 GradScaler, where an inf gradient is routine.
         `guard_state`: a resumed run's memory ({} for a new run)."""
+        # GRPO's loss (train_grpo.py, the one stage with --num_generations) is no falling curve: about 0, of either
+        # sign, on fresh completions each step, so a "spike" above its recent mean is no sign of trouble. It keeps
+        # the other rules (non-finite loss or gradients, grad-norm explosion, plateau with --patience).
+        spike_factor = math.inf if getattr(args, "num_generations", None) is not None else 3.0
         self.guard = AnomalyGuard(args.on_anomaly, args.patience, args.max_rollbacks, args.rollback_lr_factor,
-                                  args.max_skipped_steps)
+                                  args.max_skipped_steps, spike_factor)
         self.guard.load_state_dict(guard_state)  # its history, rollbacks and the windows to step over
         self.tracker, self.log, self.policy = tracker, log, args.on_anomaly
         self.finite_expected = gradients_finite_expected

@@ -75,8 +75,12 @@ RANGES = {
     "lora_rank": ("an integer >= 1 (the rank r of each adapter's A and B)", lambda v: v >= 1),
     "lora_alpha": ("a finite number > 0 (the adapter's update is scaled by lora_alpha / lora_rank)",
                    lambda v: 0 < v < math.inf),
-    "beta": ("a finite number > 0 (DPO: how far the policy may move from the reference; 0.1 is usual)",
+    "beta": ("a finite number > 0 (DPO, GRPO: how far the policy may move from the reference; 0.1 is usual)",
              lambda v: 0 < v < math.inf),
+    "num_generations": ("an integer >= 2 (GRPO: a group compares its completions with each other)", lambda v: v >= 2),
+    "max_completion_len": ("an integer >= 1 (new tokens per completion)", lambda v: v >= 1),
+    "temperature": ("a finite number > 0 (GRPO samples its completions)", lambda v: 0 < v < math.inf),
+    "clip_eps": ("in (0, 1) (the ratio pi / pi_old is clipped to [1 - clip_eps, 1 + clip_eps])", lambda v: 0 < v < 1),
 }
 LOGGERS = ("console", "file", "wandb", "swanlab")
 
@@ -89,6 +93,8 @@ def check_flags(args: argparse.Namespace) -> argparse.Namespace:
             raise ConfigError(f"--{flag} {value}: must be {allowed}")
     if getattr(args, "lora_name", None) is not None:  # trainer/train_lora.py
         check_lora_flags(args)
+    if getattr(args, "num_generations", None) is not None:  # trainer/train_grpo.py
+        check_grpo_flags(args)
     check_model_shape(args)
     check_paths(args)
     check_names(args)
@@ -126,6 +132,20 @@ def check_lora_flags(args: argparse.Namespace) -> None:
         raise ConfigError(f"--save_hf 1: train_lora.py saves the adapter alone; export it afterwards, merged or "
                           f"as a PEFT folder: python scripts/export_hf.py out/{args.from_weight}_{stem}.pth "
                           f"--merge_lora out/lora_{args.lora_name}_{stem}.pth -o hf_model (or --peft_adapter)")
+
+
+def check_grpo_flags(args: argparse.Namespace) -> None:
+    """What the GRPO stage does not do, and the room its completions need: ConfigError saying why."""
+    if args.parallel == "fsdp":
+        raise ConfigError("--parallel fsdp: GRPO samples with the model's own generation, whose number of forward "
+                          "passes differs between ranks (each stops at its own end of text), while FSDP gathers the "
+                          "weights in every forward on all ranks together; use --parallel ddp")
+    if args.val_data:
+        raise ConfigError("--val_data: GRPO has no validation loss on sampled completions; score held-out prompts "
+                          "with eval_model.py")
+    if args.max_completion_len >= args.max_seq_len:
+        raise ConfigError(f"--max_completion_len {args.max_completion_len}: must be below --max_seq_len "
+                          f"{args.max_seq_len} (the prompt gets the rest)")
 
 
 def check_model_shape(args: argparse.Namespace) -> None:

@@ -16,7 +16,8 @@ import math
 FIXED_TRAINING_ARGS = ("epochs", "seed", "max_seq_len", "pack", "learning_rate", "warmup_ratio", "grad_clip",
                        "system_prompt_ratio", "drop_empty_think_ratio",  # pack: pretraining only; these two: SFT's
                        "lora_rank", "lora_alpha", "lora_targets",  # LoRA's adapter
-                       "beta",  # DPO's
+                       "beta",  # DPO's (and GRPO's)
+                       "num_generations", "max_completion_len", "temperature", "clip_eps", "rewards",  # GRPO's
                        "base_sha256")  # LoRA's frozen base, DPO's reference: the hash of --from_weight's file
 # The value of a setting a run without its flag trains with: SFT and checkpoints written before
 # --pack existed have no "pack", and they trained unpacked.

@@ -39,6 +39,29 @@ from trainer.hardening.run_lock import HEARTBEAT_S, LOCK_NAME, lock_lost
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "4090": 165.0, "A10": 125.0}
 
 
+# What GRPO's log line adds (trainer/train_grpo.py: watched_metrics), in this order.
+RL_METRICS = ("reward", "reward_std", "no_signal", "completion_len", "kl", "clip_fraction")
+
+
+def watched_metrics(watch: torch.Tensor, group_size: int) -> dict:
+    """What a user watches of a step, over all ranks (a collective: every rank logs the same steps): the mean
+    reward, the reward's std within a group, the share of groups without signal (all alike), the completion
+    length in tokens, the KL to the reference per token and the share of tokens whose ratio was clipped."""
+    reward_sum, std_sum, no_signal, groups, tokens, kl_sum, clipped = summed(watch)
+    groups, completions = max(groups, 1.0), max(groups * group_size, 1.0)
+    return {"reward": reward_sum / completions, "reward_std": std_sum / groups, "no_signal": no_signal / groups,
+            "completion_len": tokens / completions, "kl": kl_sum / max(tokens, 1.0),
+            "clip_fraction": clipped / max(tokens, 1.0)}
+
+
+def summed(tensor: torch.Tensor) -> list[float]:
+    """`tensor` added over every rank (a copy; one process: as it is), read on the host."""
+    tensor = tensor.clone()
+    if dist.is_initialized():
+        dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
 def peak_flops(device: torch.device) -> float | None:
     """The GPU's dense bf16 peak in FLOP/s if it is a known model, else None (MFU is then not logged)."""
     if device.type != "cuda":
@@ -301,8 +324,9 @@ class Tracker:
                 metrics["mfu"] = self.flops_per_token * metrics["tokens_per_s"] / (self.peak * world_size)
         self.last_log, self.last_log_step, self.tokens = now, step, 0
         if self.console:
+            watched = "".join(f" {name} {metrics[name]:.4g}" for name in RL_METRICS if name in metrics)  # GRPO's
             print(f"epoch {metrics['epoch'] + 1}/{self.epochs} step {step} ({total_steps - step} to go) "
-                  f"loss {metrics['loss']:.4f} lr {metrics['lr']:.2e} grad_norm {metrics['grad_norm']:.3f} "
+                  f"loss {metrics['loss']:.4f} lr {metrics['lr']:.2e} grad_norm {metrics['grad_norm']:.3f}{watched} "
                   f"{metrics['tokens_per_s']:.0f} tok/s ETA {format_duration(metrics['eta_s'])}", flush=True)
         if self.files is not None:
             self.files.log(metrics, total_steps)

@@ -1,0 +1,264 @@
+"""GRPO in one process: the loss on a hand-computed case and equal to TRL's GRPOTrainer loss on the same
+log-probabilities, the group advantage, the gradient independent of how a step's rollouts are split into
+micro-batches, the prompts and answers as the loop reads them, the rollouts drawn alike on a second draw, and the
+rewards with their one-line errors. The trainer's guarantees with real python/torchrun processes are in
+tests/test_grpo_runs.py.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections import defaultdict
+from contextlib import nullcontext
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dataset.grpo_dataset import GRPODataset, sample_groups
+from dataset.jsonl_file import DataFileError
+from dataset.rewards import RewardError, answer_reward, format_reward, reward_functions, score, score_groups
+from model.model import CausalLM, LMConfig
+from model.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
+from test_dpo import TINY, write_jsonl
+from trainer.hardening.resume_checks import ConfigError
+from trainer.train_grpo import completion_losses, group_advantages, grpo_loss, parse_args
+
+
+def question(q: str, answer: str | None, before: list | None = None) -> dict:
+    """A prompt line in the SFT schema; `answer` None: a prompt-only line (minimind's rlaif.jsonl)."""
+    messages = [*(before or []), {"role": "user", "content": q}]
+    return {"conversations": messages + ([{"role": "assistant", "content": answer}] if answer is not None else [])}
+
+
+def sum_questions(count: int) -> list[dict]:
+    """`count` prompts "i+(i+1)?" with their sums as the reference answers."""
+    return [question(f"{i}+{i + 1}?", str(2 * i + 1)) for i in range(count)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(DEFAULT_TOKENIZER)
+
+
+# ---- the loss and the advantage ----------------------------------------------------------------
+
+def test_the_loss_of_two_tokens_computed_by_hand():
+    # pi = 0.5, pi_old = 0.4 (ratio 1.25), ref = 0.25 on each token of a completion; its advantage +1, then -1.
+    logps = torch.log(torch.tensor([[0.5, 0.5]], dtype=torch.float64))
+    old, ref = torch.log(torch.full_like(logps, 0.4)), torch.log(torch.full_like(logps, 0.25))
+    losses, kl, clipped = grpo_loss(logps, old, ref, torch.tensor([1.0], dtype=torch.float64), 0.1, 0.2)
+    k3 = 0.25 / 0.5 - math.log(0.25 / 0.5) - 1  # exp(ref - pi) - (ref - pi) - 1 = 0.5 + ln 2 - 1
+    # A = +1: the ratio 1.25 is clipped to 1.2, and -min(1.25, 1.2) = -1.2
+    assert losses[0, 0].item() == pytest.approx(-1.2 + 0.1 * k3, abs=1e-12)
+    assert kl[0, 0].item() == pytest.approx(0.19314718055994531, abs=1e-12) and clipped.tolist() == [[True, True]]
+    negative, _, clipped = grpo_loss(logps, old, ref, torch.tensor([-1.0], dtype=torch.float64), 0.1, 0.2)
+    # A = -1: -min(-1.25, -1.2) = 1.25: a ratio above 1 + eps is not clipped where the advantage is negative
+    assert negative[0, 0].item() == pytest.approx(1.25 + 0.1 * k3, abs=1e-12) and not clipped.any()
+
+
+def test_the_group_advantage_is_the_reward_against_its_group_and_zero_without_signal():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5]], dtype=torch.float64)
+    advantages = group_advantages(rewards)
+    a = 0.5 / (math.sqrt(4 * 0.25 / 3) + 1e-4)  # (r - mean) / (std + eps), the unbiased std as TRL's rewards.std()
+    assert advantages[0].tolist() == pytest.approx([a, -a, -a, a], abs=1e-12)
+    assert advantages[1].tolist() == [0.0] * 4  # all alike: no signal, whatever the reward's level
+    # Not normalised against the whole batch: the first group's advantages ignore the second group.
+    assert torch.equal(group_advantages(rewards[:1]), advantages[:1])
+
+
+class SameProcess:
+    """The bits of accelerate's Accelerator that GRPOTrainer._compute_loss calls, in one process."""
+    num_processes = 1
+
+    @staticmethod
+    def reduce(tensor, reduction="sum"):
+        return tensor
+
+    @staticmethod
+    def gather(tensor):
+        return tensor
+
+    gather_for_metrics = gather
+
+
+@pytest.mark.skipif(os.environ.get("TRAINER_SLOW_TESTS") != "1",
+                    reason="importing TRL (transformers' Trainer) takes about 13 s; set TRAINER_SLOW_TESTS=1 to run it")
+def test_grpo_loss_equals_trls_own_grpo_trainer_on_the_same_log_probabilities():
+    """TRL 1.16's GRPOTrainer._compute_loss with loss_type "dapo" (a sum over the completion tokens divided by
+    the generation batch's tokens, as this loop does), the log-probabilities handed to it instead of a model's."""
+    from trl.trainer.grpo_trainer import GRPOTrainer  # trl==1.16.0 (requirements.txt)
+    rows, length, beta, eps = 6, 7, 0.04, 0.2
+    generator = torch.Generator().manual_seed(5)
+    logps = (-3 * torch.rand(rows, length, generator=generator, dtype=torch.float64)).requires_grad_()
+    old = logps.detach() + 0.4 * (torch.rand(rows, length, generator=generator, dtype=torch.float64) - 0.5)
+    ref = logps.detach() + 0.3 * torch.randn(rows, length, generator=generator, dtype=torch.float64)
+    mask = (torch.rand(rows, length, generator=generator) < 0.8).long()
+    mask[:, 0] = 1
+    advantages = group_advantages(torch.rand(2, rows // 2, generator=generator, dtype=torch.float64)).flatten()
+    trainer = SimpleNamespace(
+        model=SimpleNamespace(training=True), accelerator=SameProcess(), aux_loss_enabled=False,
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token", beta=beta,
+        loss_type="dapo", epsilon_low=eps, epsilon_high=eps, use_vllm=False, current_gradient_accumulation_steps=1,
+        _entropy_bonus_enabled=False, _metrics={"train": defaultdict(list)},
+        args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1),
+        _get_per_token_logps_and_entropies=lambda *args, **kwargs: (logps, torch.zeros_like(logps), None))
+    inputs = {"prompt_ids": torch.zeros(rows, 2, dtype=torch.long),
+              "prompt_mask": torch.ones(rows, 2, dtype=torch.long),
+              "completion_ids": torch.zeros(rows, length, dtype=torch.long), "completion_mask": mask,
+              "advantages": advantages, "old_per_token_logps": old, "ref_per_token_logps": ref,
+              "num_items_in_batch": mask.sum()}
+    trl_loss = GRPOTrainer._compute_loss(trainer, None, inputs)
+    (trl_gradient,) = torch.autograd.grad(trl_loss, logps)
+
+    losses, _, clipped = grpo_loss(logps, old, ref, advantages, beta, eps)
+    ours = (losses * mask).sum() / mask.sum()  # the loop: summed, divided by the global batch's completion tokens
+    (our_gradient,) = torch.autograd.grad(ours, logps)
+    assert abs(float((ours - trl_loss).detach())) < 1e-12
+    assert torch.allclose(our_gradient, trl_gradient, rtol=0, atol=1e-12)
+    assert 0 < clipped[mask.bool()].float().mean() < 1  # the case clips some tokens, not all
+    assert trainer._metrics["train"]["clip_ratio/region_mean"][0] == pytest.approx(
+        float(clipped[mask.bool()].float().mean()), abs=1e-12)  # TRL's clip metric is ours
+
+
+def test_the_gradient_is_the_same_however_the_rollouts_are_split_into_micro_batches():
+    """One micro-batch of 4 prompts' rollouts, or two of 2 with other token counts: each part's loss sum divided by
+    the step's completion tokens adds up to the same gradient (as the loop does on ranks and micro-steps)."""
+    torch.manual_seed(0)
+    model, ref_model = CausalLM(LMConfig(vocab_size=64, **TINY)), CausalLM(LMConfig(vocab_size=64, **TINY))
+    ref_model.requires_grad_(False)
+    input_ids = torch.randint(1, 64, (8, 10))
+    labels = torch.full_like(input_ids, -100)
+    for row, start in enumerate([3, 3, 5, 5, 2, 2, 6, 6]):  # completions of different lengths per group
+        labels[row, start:] = input_ids[row, start:]
+    advantages = group_advantages(torch.rand(4, 2, dtype=torch.float64)).flatten().float()
+    args = SimpleNamespace(beta=0.1, clip_eps=0.2)
+    tokens = (labels[:, 1:] != -100).sum()
+
+    def gradient(parts: list[slice]) -> list[torch.Tensor]:
+        model.zero_grad()
+        for part in parts:
+            watch = torch.zeros(7, dtype=torch.float64)
+            losses, _ = completion_losses(model, ref_model, input_ids[part], labels[part], advantages[part], args,
+                                          watch)
+            (losses.sum() / tokens).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    whole, split = gradient([slice(0, 8)]), gradient([slice(0, 4), slice(4, 8)])
+    assert any(g.abs().sum() > 0 for g in whole)
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(whole, split))
+
+
+# ---- the prompts and the rollouts --------------------------------------------------------------
+
+def test_a_prompt_is_the_conversation_before_the_last_answer_with_the_generation_header(tmp_path, tokenizer):
+    earlier = [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]
+    data = write_jsonl(tmp_path / "prompts.jsonl", [question("3+4?", "7", earlier), question("5+5?", "10")])
+    dataset = GRPODataset(data, tokenizer, 64, reward_functions("answer"))
+    input_ids, labels = dataset[0]
+    prompt = input_ids[labels != -100].tolist()
+    text = dataset.encoder.decode(prompt)
+    assert text.startswith("user\n1+1?") and text.endswith("user\n3+4?\nassistant\n"), text  # tags hidden
+    assert (dataset.answer(0), dataset.answer(1), dataset.answer(-1)) == ("7", "10", None)
+    cut = GRPODataset(data, tokenizer, 8, reward_functions("answer"))[0][0]
+    assert cut.tolist() == prompt[-8:]  # a long prompt keeps its end: the question and the header
+
+
+def test_a_line_without_an_answer_is_refused_for_the_answer_reward_only(tmp_path, tokenizer):
+    data = write_jsonl(tmp_path / "rlaif.jsonl", [question("2+2?", "4"), question("3+3?", None),
+                                                  question("4+4?", "")])
+    with pytest.raises(DataFileError) as refused:
+        GRPODataset(data, tokenizer, 64, reward_functions("answer,format"))
+    assert str(refused.value).startswith(f"{data}, line 2: no reference answer") and "\n" not in str(refused.value)
+    prompts_only = GRPODataset(data, tokenizer, 64, reward_functions("format"))  # a format reward needs none
+    assert len(prompts_only) == 3 and prompts_only.answer(1) is None and prompts_only.answer(2) is None
+
+
+def test_the_groups_are_drawn_by_their_prompt_and_seed_not_by_the_batch_they_are_in(tmp_path, tokenizer):
+    data = write_jsonl(tmp_path / "prompts.jsonl", sum_questions(3))
+    dataset = GRPODataset(data, tokenizer, 32, reward_functions("answer"))
+    torch.manual_seed(0)
+    model = CausalLM(LMConfig(vocab_size=tokenizer.get_vocab_size(), **TINY))
+
+    def draw(indices: list[int], seed: int = 7):
+        rows = [dataset[i] if i >= 0 else (dataset[0][0], torch.full_like(dataset[0][1], -100)) for i in indices]
+        batch = [torch.tensor(indices), *(torch.stack(column) for column in zip(*rows))]
+        return sample_groups(model, batch, dataset.encoder, 3, 12, 1.0, seed, nullcontext())
+
+    together, (alone_ids, alone_labels, alone_texts) = draw([0, 2]), draw([2, -1])
+    assert together[2][1] == alone_texts[0] and alone_texts[1] is None  # prompt 2's group, next to another or not
+    assert (alone_labels[3:] == -100).all()  # the placeholder's rows: nothing to train
+    trained = alone_labels[:3] != -100
+    assert torch.equal(alone_ids[:3][trained], together[0][3:][together[1][3:] != -100])
+    assert trained.any(dim=1).all()  # every completion has its tokens labelled
+    assert draw([0, 2], seed=8)[2] != together[2]  # another seed (another epoch): other completions
+    assert draw([2], seed=(2**31 - 1) * 1_000_003 + 5)[2][0]  # the largest --seed, a later epoch: still a seed
+
+
+# ---- the rewards -------------------------------------------------------------------------------
+
+def test_the_answer_reward_strips_the_think_block_and_compares_numbers_as_numbers():
+    completions = ["<think>\n2+3 is 5\n</think>\n\n5", " 5.0 ", "<think>\n\n</think>\n\nfive", "15", "<think>x"]
+    assert answer_reward(completions, ["5"] * 5) == [1.0, 1.0, 0.0, 0.0, 0.0]
+    assert answer_reward(["Paris ", "paris"], ["Paris", "Paris"]) == [1.0, 0.0]  # exact text otherwise
+    assert format_reward(["<think>\nhm\n</think>\n\n5", "5", "<think>\n\n</think>\n\n"], [None] * 3) == [0.5, 0, 0]
+
+
+def test_a_reward_that_raises_returns_nan_or_the_wrong_count_is_one_line_naming_it(monkeypatch):
+    def raises(completions, answers):
+        raise KeyError("score")
+
+    def not_a_number(completions, answers):
+        return [float("nan")] * len(completions)
+
+    def one_short(completions, answers):
+        return [1.0] * (len(completions) - 1)
+
+    for function, problem in [(raises, "raised KeyError: 'score'"), (not_a_number, "returned nan: each reward"),
+                              (one_short, "returned 1 values for 2 completions")]:
+        with pytest.raises(RewardError) as failed:
+            score({"answer": answer_reward, "mine": function}, ["a", "b"], ["a", "b"])
+        message = str(failed.value)
+        assert message.startswith(f"reward 'mine' (test_grpo.{function.__qualname__}) {problem}"), message
+        assert "\n" not in message
+    with pytest.raises(RewardError, match=r"^--rewards answer,typo: typo is none of answer, format, brevity"):
+        reward_functions("answer,typo")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num_generations", "1"], "--num_generations 1: must be an integer >= 2"),
+    (["--parallel", "fsdp"], "--parallel fsdp: GRPO samples with the model's own generation, whose number of"),
+    (["--max_completion_len", "64", "--max_seq_len", "64"], "--max_completion_len 64: must be below --max_seq_len 64"),
+    (["--val_data", "dataset/sft_demo_eval.jsonl"], "--val_data: GRPO has no validation loss"),
+    (["--clip_eps", "1"], "--clip_eps 1.0: must be in (0, 1)")])
+def test_flags_grpo_cannot_use_are_refused_with_the_reason(monkeypatch, flags, message):
+    monkeypatch.setattr(sys, "argv", ["train_grpo.py", "--device", "cpu", *flags])
+    with pytest.raises(ConfigError) as refused:
+        parse_args()
+    assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
+
+
+def test_score_groups_counts_what_a_user_watches():
+    scores, watched = score_groups(reward_functions("answer"), [["4", "5"], ["6", "6"], None], ["4", "6", None], 2)
+    assert scores.tolist() == [[1.0, 0.0], [1.0, 1.0], [0.0, 0.0]]  # the placeholder: zeros, advantages 0
+    # reward sum 3, in-group std sum sqrt(0.5) + 0, one group of two without signal, two real groups
+    assert watched.tolist() == pytest.approx([3.0, math.sqrt(0.5), 1.0, 2.0])
+    alone, _ = score_groups(reward_functions("answer"), [None], [None], 3)  # a rank's micro-batch of a placeholder
+    assert alone.tolist() == [[0.0] * 3] and group_advantages(alone).tolist() == [[0.0] * 3]  # not NaN
+
+
+def test_the_anomaly_policy_judges_no_loss_spike_in_grpo_but_still_a_grad_norm_explosion():
+    """GRPO's loss is about 0 and of either sign, on fresh completions each step: a rise above its recent mean is
+    no sign of trouble (a 2-rank run's step 10 of 0.16 after nine of about 0 was reported as a spike)."""
+    from trainer.hardening.anomaly_policy import AnomalyPolicy
+
+    flags = dict(on_anomaly="stop", patience=0, max_rollbacks=3, rollback_lr_factor=1.0, max_skipped_steps=20)
+    for stage, expected in [({}, "loss spike"), ({"num_generations": 4}, None)]:
+        detector = AnomalyPolicy(SimpleNamespace(**flags, **stage), None, True, {}, print).guard.detector
+        for step, loss in enumerate([0.0, 1e-4, -1e-4, 0.0, 2e-4, -2e-4, 0.0, 1e-4, 0.0], start=1):
+            assert detector.check(step, loss, 1.0) is None
+        reason = detector.check(10, 0.1636, 1.0)
+        assert (reason or "").startswith(expected or "") and (reason is None) == (expected is None), reason
+        assert detector.check(11, 0.0, 50.0).startswith("grad norm explosion at step 11")

@@ -1,0 +1,268 @@
+"""trainer/train_grpo.py keeps every guarantee of the SFT stage, proven with real python/torchrun gloo processes
+at the TINY_MODEL size: the same gradient however the global batch is split (rollouts included), under python or
+torchrun, across a resume; a run that trains, logs what a user watches and saves; a resume in one process bit
+for bit; one-line errors for a bad reward name, a line without an answer and a reward that fails mid-run (the
+last checkpoint stays the newest). Behind TRAINER_SLOW_TESTS=1: a resume on 2 ranks bit-identical
+with the metrics and status files, rotated checkpoints and the tracker run id carried over, and a changed
+reference refused; a resume on 2 -> 3 -> 1 ranks training each prompt's group once; a SIGTERM that saves; a
+reward that fails on rank 1 only stopping both ranks with its line.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import (REPO, TINY_MODEL, assert_each_sample_once, assert_states_equal, child_pids, events_of,
+                      history_file, launch_command, metrics_of, read_trace, resume_file, run_args, slowed_env, status_of,
+                      trace_of, train, with_loader_workers)
+from model.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
+from scripts.plot_metrics import metrics_figure
+from test_dpo import write_jsonl, write_reference
+from test_grpo import question, sum_questions
+from trainer.hardening.durable_files import sha256_of
+from trainer.hardening.process_exit import run_script
+from trainer.hardening.run_lock import release_held
+
+SCRIPT, RUN = "train_grpo.py", "grpo_32"
+SLOW = pytest.mark.skipif(os.environ.get("TRAINER_SLOW_TESTS") != "1",
+                          reason="several multi-process runs; set TRAINER_SLOW_TESTS=1 to run it (.ci/run does)")
+WATCHED = ("reward", "reward_std", "no_signal", "completion_len", "kl", "clip_fraction")
+
+
+@pytest.fixture
+def prompts(tmp_path) -> Path:
+    """11 prompts: a prime, so no world size or batch divides the epoch."""
+    return write_jsonl(tmp_path / "prompts.jsonl", sum_questions(11))
+
+
+def grpo_args(run_dir: Path, data: Path, *extra: str, seed: int = 0) -> list[str]:
+    """run_args for a GRPO run under `run_dir`, whose out/ gets a reference (full_sft_32.pth) if it has none. The
+    brevity reward gives a random model's groups signal from the first step; completions of 8 tokens, 3 a group."""
+    if not (run_dir / "out" / "full_sft_32.pth").exists():
+        write_reference(run_dir / "out", load_tokenizer(DEFAULT_TOKENIZER).get_vocab_size(), seed=seed)
+    return run_args(run_dir, data, "--learning_rate", "1e-3", "--rewards", "answer,brevity", "--max_completion_len",
+                    "8", "--num_generations", "3", "--temperature", "1.5", *extra)
+
+
+def by_step(trace: list[dict], field: str) -> dict[int, list]:
+    return {step: [r[field] for r in sorted(trace, key=lambda r: r["rank"]) if r["step"] == step]
+            for step in sorted({r["step"] for r in trace})}
+
+
+@SLOW
+def test_one_rank_two_micro_steps_and_two_ranks_one_give_the_same_gradient_across_a_resume(tmp_path):
+    # 5 prompts, a global batch of 4: step 2 has one prompt, so on 2 ranks rank 1 trains the loader's placeholder.
+    # The 2-rank run is stopped after step 1 and resumed. Each group is drawn by its prompt, not by its rank.
+    data = write_jsonl(tmp_path / "five.jsonl", sum_questions(5))
+    common = ["--epochs", "1", "--grad_clip", "inf", "--save_interval", "1", "--keep_last", "2", "--batch_size", "2"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    train(SCRIPT, None, grpo_args(one, data, *common, "--accumulation_steps", "2"), tmp_path)
+    split = grpo_args(two, data, *common, "--accumulation_steps", "1")
+    train(SCRIPT, 2, [*split, "--max_steps", "1"], tmp_path)
+    train(SCRIPT, 2, [*split, "--from_resume", "1"], tmp_path)
+    assert events_of(two, RUN) == [("resume", 1)]
+    assert by_step(trace_of(two), "samples")[2][1] == []  # rank 1's share of step 2: the placeholder
+    for step in (1, 2):
+        # AdamW's first moment after step 1 is 0.1 x the gradient, after step 2 0.09 x the first + 0.1 x the second.
+        a, b = (history_file(run, step, RUN)["optimizer"]["state"] for run in (one, two))
+        assert a.keys() == b.keys() and len(a) > 0
+        assert any(float(a[number]["exp_avg"].norm()) > 0 for number in a)  # the rewards gave a gradient
+        for number in a:  # float32 summation order only
+            difference = (a[number]["exp_avg"] - b[number]["exp_avg"]).norm() / a[number]["exp_avg"].norm().clamp(
+                min=1e-30)
+            assert difference < 1e-5, (step, number, float(difference))
+    losses = {run: [r["global_loss"] for r in trace_of(run) if r["rank"] == 0] for run in (one, two)}
+    # (the loss of a step sampled from these very weights is about 0: ratio 1, the advantages of a group sum to 0)
+    assert losses[one] == pytest.approx(losses[two], rel=1e-6, abs=1e-7) and len(losses[one]) == 2
+
+
+def test_a_run_trains_logs_what_a_user_watches_saves_and_resumes_bit_identically_rollouts_included(tmp_path, prompts):
+    common = ["--batch_size", "2", "--epochs", "1", "--save_interval", "2"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    whole = train(SCRIPT, None, grpo_args(straight, prompts, *common, "--max_steps", "4"), tmp_path)
+    metrics = [r for r in metrics_of(straight, RUN) if "loss" in r]
+    assert [r["step"] for r in metrics] == [1, 2, 3, 4] and all(set(WATCHED) <= set(r) for r in metrics)
+    assert 0 < metrics[0]["reward"] < 2 and metrics[0]["no_signal"] < 1 and metrics[0]["completion_len"] > 0
+    assert metrics[0]["kl"] == 0 < metrics[1]["kl"]  # step 1 samples from the reference's own weights; then it moves
+    assert "reward " in whole.stdout and " kl " in whole.stdout and "clip_fraction" in whole.stdout
+    assert [ax.get_ylabel() for ax in metrics_figure(metrics_of(straight, RUN)).axes] == [
+        "loss (nats per token)", "reward", "learning rate", "grad norm"]  # scripts/plot_metrics.py draws the reward
+    weights = torch.load(straight / "out" / "grpo_32.pth", weights_only=True)  # the next stage's (FP16) weights
+    assert all(t.dtype == torch.float16 for t in weights.values()) and status_of(straight, RUN)["status"] == "stopped"
+    train(SCRIPT, None, grpo_args(split, prompts, *common, "--max_steps", "2"), tmp_path)
+    train(SCRIPT, None, grpo_args(split, prompts, *common, "--max_steps", "2", "--from_resume", "1"), tmp_path)
+    assert_states_equal(resume_file(straight, RUN), resume_file(split, RUN))
+    assert by_step(trace_of(split), "loss") == by_step(trace_of(straight), "loss")
+    assert [(r["step"], r["reward"]) for r in metrics_of(split, RUN) if "reward" in r] == [
+        (r["step"], r["reward"]) for r in metrics_of(straight, RUN) if "reward" in r]  # the same completions
+
+
+def test_grpo_raises_the_reward_it_is_given(tmp_path):
+    """40 steps on 40 prompts with the brevity reward only (shorter answers score higher): the mean reward of the
+    last 5 steps is well above that of the first 5, from a random reference's babble (measured: 0.77 -> 0.99)."""
+    data = write_jsonl(tmp_path / "forty.jsonl", sum_questions(40))
+    train(SCRIPT, None, grpo_args(tmp_path, data, "--batch_size", "4", "--epochs", "4", "--warmup_ratio", "0",
+                                  "--save_interval", "100", "--rewards", "brevity", "--learning_rate", "3e-2",
+                                  "--max_completion_len", "16", "--num_generations", "4", "--temperature", "1"),
+          tmp_path)  # (the flags given last win over grpo_args' own)
+    metrics = [r for r in metrics_of(tmp_path, RUN) if "reward" in r]
+    rewards = [r["reward"] for r in metrics]
+    assert len(rewards) == 40 and sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.1, rewards
+
+
+def test_a_bad_reward_name_and_a_line_without_an_answer_are_one_line_each_with_exit_2(tmp_path, prompts):
+    prompt_only = write_jsonl(tmp_path / "rlaif.jsonl", [*sum_questions(2), question("3+3?", None)])
+    for extra, line in [(["--rewards", "answer,typo"], "error: --rewards answer,typo: typo is none of answer,"),
+                        (["--data_path", str(prompt_only)], f"error: {prompt_only}, line 3: no reference answer")]:
+        result = train(SCRIPT, None, [*grpo_args(tmp_path, prompts), *extra], tmp_path, check=False)
+        assert result.returncode == 2 and result.stderr.startswith(line), (extra, result.stderr[-2000:])
+        assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not (tmp_path / "ckpt").exists()  # refused before anything was trained or saved
+
+
+@SLOW
+def test_a_resume_on_the_same_rank_count_is_bit_identical_and_a_changed_reference_is_refused(tmp_path, prompts):
+    # 11 prompts on 2 ranks of 1: 6 steps, the last short; saves every 2 steps, 2 kept.
+    common = ["--batch_size", "1", "--epochs", "1", "--save_interval", "2"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    wandb = ["--logger", "console,file,wandb"]  # the interrupted run only: a tracker changes nothing it trains
+    train(SCRIPT, 2, grpo_args(straight, prompts, *common), tmp_path)
+    train(SCRIPT, 2, grpo_args(split, prompts, *common, *wandb, "--max_steps", "3"), tmp_path, WANDB_DIR=tmp_path)
+    first = resume_file(split, RUN)
+    train(SCRIPT, 2, grpo_args(split, prompts, *common, *wandb, "--from_resume", "1"), tmp_path, WANDB_DIR=tmp_path)
+
+    final = resume_file(split, RUN)
+    assert_states_equal(resume_file(straight, RUN), final)
+    assert (final["epoch"], final["samples_consumed"], final["global_step"]) == (1, 0, 6)
+    assert by_step(trace_of(split), "loss") == by_step(trace_of(straight), "loss")
+    assert events_of(split, RUN) == [("resume", 3)] and status_of(split, RUN)["status"] == "completed"
+    assert [{k: r[k] for k in ("step", *WATCHED)} for r in metrics_of(split, RUN) if "reward" in r] == [
+        {k: r[k] for k in ("step", *WATCHED)} for r in metrics_of(straight, RUN) if "reward" in r]
+    assert final["tracker_ids"] == first["tracker_ids"] and final["tracker_ids"]["wandb"]  # the same wandb run
+    reference = split / "out" / "full_sft_32.pth"
+    assert (final["train_args"]["base_sha256"], final["train_args"]["num_generations"],
+            final["train_args"]["rewards"]) == (sha256_of(reference), 3, "answer,brevity")
+
+    write_reference(split / "out", load_tokenizer(DEFAULT_TOKENIZER).get_vocab_size(), seed=1)  # another reference
+    refused = train(SCRIPT, None, grpo_args(split, prompts, *common[:4], "--from_resume", "1"), tmp_path, check=False)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert "args.base_sha256: checkpoint has" in refused.stderr
+
+
+@SLOW
+def test_a_resume_on_two_then_three_then_one_rank_trains_each_prompts_group_once(tmp_path, prompts):
+    # 11 prompts, batch 1: global batches 2, 3 and 1, over 2 epochs.
+    common = grpo_args(tmp_path, prompts, "--batch_size", "1", "--epochs", "2")
+    train(SCRIPT, 2, [*common, "--max_steps", "3"], tmp_path)
+    on_three = train(SCRIPT, 3, [*common, "--max_steps", "3", "--from_resume", "1"], tmp_path)
+    assert "saved at step 3: training continues from sample 6 of epoch 1 (world size 2 -> 3, global batch 2 -> 3" \
+        in on_three.stdout
+    train(SCRIPT, None, [*common, "--from_resume", "1"], tmp_path)
+    trace = trace_of(tmp_path)
+    assert {r["step"]: r["world_size"] for r in trace} == {s: 2 if s <= 3 else 3 if s <= 6 else 1 for s in range(1, 15)}
+    assert_each_sample_once(trace, num_samples=11, epochs=2)  # one sample = one prompt = its group of completions
+    final = resume_file(tmp_path, RUN)
+    assert (final["epoch"], final["samples_consumed"], final["global_step"]) == (2, 0, 14)
+
+
+@SLOW
+def test_sigterm_saves_exits_zero_and_the_resume_trains_each_prompt_once(tmp_path, prompts):
+    args = grpo_args(tmp_path, prompts, "--batch_size", "1", "--epochs", "2")
+    trace = tmp_path / "trace.jsonl"
+    launcher = subprocess.Popen(launch_command(SCRIPT, 2, [*with_loader_workers(1), *args]), cwd=tmp_path,
+                                env=slowed_env(step_delay_s=0.2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+    deadline = time.time() + 120
+    while (not trace.exists() or len(read_trace(trace)) < 4) and time.time() < deadline:
+        time.sleep(0.2)
+    workers = child_pids(launcher.pid)
+    assert len(workers) == 2, "expected two worker processes under torchrun"
+    for pid in workers + [loader for worker in workers for loader in child_pids(worker)]:
+        os.kill(pid, signal.SIGTERM)  # as a preempted machine signals every training process
+    output, _ = launcher.communicate(timeout=120)
+    assert launcher.returncode == 0 and "(SIGTERM)" in output, output[-3000:]
+    stopped_at = resume_file(tmp_path, RUN)["global_step"]
+    assert 2 <= stopped_at < 12 and status_of(tmp_path, RUN)["status"] == "stopped"
+    train(SCRIPT, 2, [*args, "--from_resume", "1"], tmp_path)
+    assert events_of(tmp_path, RUN) == [("resume", stopped_at)] and status_of(tmp_path, RUN)["status"] == "completed"
+    assert_each_sample_once(trace_of(tmp_path), num_samples=11, epochs=2)
+
+
+def test_a_reward_that_fails_mid_run_is_one_line_exit_2_and_the_last_checkpoint_stays(tmp_path, prompts, monkeypatch,
+                                                                                     capsys):
+    """A user's reward raises at step 3 (in this process, as REWARDS is the registry a user adds to): the run stops
+    with one line naming it before step 3 is applied, and step 2's checkpoint is the newest and verifies."""
+    from dataset import rewards
+    from trainer import train_grpo
+    from trainer.hardening import checkpoint_io as cio
+
+    calls = []
+
+    def flaky(completions, answers):  # fine for the 4 groups of steps 1 and 2, then raises
+        calls.append(len(completions))
+        if len(calls) > 4:
+            raise ZeroDivisionError("division by zero")
+        return [0.0] * len(completions)
+
+    monkeypatch.setitem(rewards.REWARDS, "flaky", flaky)
+    args = [*grpo_args(tmp_path, prompts, "--batch_size", "2", "--save_interval", "1", "--async_save", "0"),
+            "--rewards", "brevity,flaky"]  # (the flag given last wins)
+    monkeypatch.setattr("sys.argv", ["train_grpo.py", *TINY_MODEL, *args])
+    handlers = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            run_script(train_grpo.main)
+    finally:  # what the run set up in this process, which a script's exit would have undone
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
+        release_held()
+    error = capsys.readouterr().err.strip()
+    assert stopped.value.code == 2 and error == (
+        "error: reward 'flaky' (test_grpo_runs.test_a_reward_that_fails_mid_run_is_one_line_exit_2_and_the_last_"
+        "checkpoint_stays.<locals>.flaky) raised ZeroDivisionError: division by zero"), error
+    history = cio.RunFiles(tmp_path / "ckpt", RUN).history()
+    assert [int(p.name[5:13]) for p in history][0] == 2 and cio.verify(history[0]) is None
+    assert [r["step"] for r in trace_of(tmp_path) if "loss" in r] == [1, 2]  # step 3 never trained
+
+
+FAILS_ON_RANK_1 = """
+import os, sys
+sys.path.insert(0, {repo!r})  # (the script puts the repository first on the path too)
+from dataset import rewards
+
+
+def fails_on_rank_1(completions, answers):
+    if os.environ.get("RANK") == "1" and os.environ.get("GRPO_TEST_STEP_1_DONE"):
+        raise ValueError("no score on rank 1")
+    os.environ["GRPO_TEST_STEP_1_DONE"] = "1"
+    return [0.0] * len(completions)
+
+
+rewards.REWARDS["fails_on_rank_1"] = fails_on_rank_1
+"""
+
+
+@SLOW
+def test_a_reward_that_fails_on_one_rank_stops_every_rank_with_its_line(tmp_path, prompts):
+    """A user's reward (added to REWARDS from outside, by a sitecustomize) raises on rank 1 at its second call:
+    rank 0, which would wait for rank 1 in the step's all-reduce, stops too, and prints rank 1's line."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(FAILS_ON_RANK_1.format(repo=str(REPO)), encoding="utf-8")
+    args = [a if a != "answer,brevity" else "brevity,fails_on_rank_1" for a in grpo_args(tmp_path, prompts,
+                                                                                         "--batch_size", "1")]
+    result = train(SCRIPT, 2, args, tmp_path, check=False, PYTHONPATH=site)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode != 0 and errors == [
+        "error: on rank 1: reward 'fails_on_rank_1' (sitecustomize.fails_on_rank_1) raised ValueError: no score on "
+        "rank 1"], result.stderr[-3000:]
+    # The traceback torchrun prints is its own (no frame of ours); its summary names our line for each rank.
+    assert f'File "{REPO}' not in result.stderr and result.stderr.count("traceback : error: on rank 1: reward") == 2
+    assert [r["step"] for r in trace_of(tmp_path)] == [1, 1]  # step 2 applied on no rank

@@ -1,0 +1,300 @@
+"""Group relative policy optimisation (GRPO): reinforce the answers of a fine-tuned model that a reward prefers.
+
+Per prompt, G completions sampled by the policy (seeded by seed, epoch and prompt: a resume samples them alike),
+scored by Python rewards (dataset/rewards.py); an advantage is a reward against its group's, (r - mean) / (std + eps);
+the loss per token: PPO's clipped policy gradient + beta x KL to the frozen reference (out/full_sft_*.pth, named by
+hash as DPO's), over the global batch's completion tokens; writes out/grpo_{hidden}.pth. Run it as SFT's script:
+    python trainer/train_grpo.py  |  torchrun --nproc_per_node 2 trainer/train_grpo.py  |  ... --from_resume 1
+What changes from train_full_sft.py: the lines marked `# grpo`; gone: `--system_prompt_ratio`,
+`--drop_empty_think_ratio`, `train_ds.set_epoch`, `local_tokens = sum(` (counted in step_rollouts)."""
+
+import argparse
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: the repository, not this folder, goes first on the import path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+
+from dataset.grpo_dataset import GRPODataset, sample_groups  # grpo
+from dataset.rewards import reward_functions, score_groups  # grpo
+from model.tokenizer import load_tokenizer
+from trainer.hardening.anomaly import install_debug_injection
+from trainer.hardening.anomaly_policy import AnomalyPolicy, Rollback
+from trainer.hardening.background_save import BackgroundSaver, finish_saves
+from trainer.hardening.flag_checks import check_flags
+from trainer.hardening.operator_flags import add_operator_flags
+from trainer.hardening.process_exit import cleanup_distributed, run_script
+from trainer.hardening.process_group import init_distributed
+from trainer.hardening.resume_checks import data_fingerprint, resume_settings
+from trainer.hardening.run_lock import claim_run_directories
+from trainer.hardening.sharding import no_sync, shard_model
+from trainer.hardening.stopping import StopRequest, end_of_run, loader_worker_ignores_stops
+from trainer.hardening.tracking import Tracker, flops_per_token, validation_loss, watched_metrics  # grpo
+from trainer.trainer_utils import (REPO_ROOT, IndexedDataset, Position, RunSpec, SkipBatchSampler, Step, epoch_order,
+                                   frozen_model,  # grpo
+                                   get_lr, given_sizes, init_model, lm_checkpoint, load_checkpoint,
+                                   model_config, optimizer_step, rank0_logger, read_on_host, resolve_accumulation,
+                                   restore_training_state, run_name, setup_seed, sum_over_ranks, total_steps,
+                                   trained_samples, unwrap)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    a = parser.add_argument
+    a("--data_path", default=str(REPO_ROOT / "dataset" / "sft_demo.jsonl"), help="JSONL of prompts, answers")  # grpo
+    a("--save_dir", default=str(REPO_ROOT / "out"), help="where the FP16 inference weights go")
+    a("--checkpoint_dir", default=str(REPO_ROOT / "checkpoints"), help="where the resume state goes")
+    a("--save_weight", default="grpo", help="name prefix of the saved files")  # grpo
+    a("--from_weight", default="full_sft", help="the weights in --save_dir to start from, and the reference")  # grpo
+    a("--from_resume", type=int, default=0, choices=(0, 1), help="1: continue from the newest good checkpoint")
+    a("--epochs", type=int, default=1)  # grpo
+    a("--batch_size", type=int, default=4, help="prompts per micro-batch per rank (each sampled G times)")  # grpo
+    a("--accumulation_steps", type=int, default=1)
+    a("--global_batch_size", type=int, default=None,
+      help="samples per optimizer step; derives accumulation_steps and keeps steps identical on any GPU count")
+    a("--learning_rate", type=float, default=1e-6)  # grpo: small, as GRPO moves a model already trained
+    a("--warmup_ratio", type=float, default=0.01)
+    a("--max_seq_len", type=int, default=340)
+    a("--hidden_size", type=int, default=512)
+    a("--num_hidden_layers", type=int, default=8)
+    a("--num_attention_heads", type=int, default=8)
+    a("--num_key_value_heads", type=int, default=4)
+    a("--use_moe", type=int, default=0, choices=(0, 1))
+    a("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+      help="autocast dtype on CUDA (CPU always trains in float32)")
+    a("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a("--num_workers", type=int, default=1)
+    a("--grad_clip", type=float, default=1.0)
+    a("--log_interval", type=int, default=10, help="optimizer steps between log lines")
+    a("--save_interval", type=int, default=100, help="optimizer steps between checkpoints")
+    a("--max_steps", type=int, default=None, help="stop (and save) after this many steps of this invocation")
+    a("--seed", type=int, default=42)
+    a("--use_compile", type=int, default=None, choices=(0, 1), help="torch.compile (default: 1 on CUDA, 0 on CPU)")
+    a("--parallel", default="ddp", choices=("ddp", "fsdp"), help="fsdp: each GPU keeps a slice of the model")
+    a("--beta", type=float, default=0.04, help="weight of the KL to the reference: higher, nearer")  # grpo
+    a("--num_generations", type=int, default=4, help="G: completions sampled per prompt, one group")  # grpo
+    a("--max_completion_len", type=int, default=64, help="new tokens per completion, at most")  # grpo
+    a("--temperature", type=float, default=1.0, help="sampling temperature of the completions")  # grpo
+    a("--clip_eps", type=float, default=0.2, help="the ratio pi / pi_old is clipped to [1 - eps, 1 + eps]")  # grpo
+    a("--rewards", default="answer,format", help="reward functions of dataset/rewards.py, added")  # grpo
+    add_operator_flags(parser)  # trackers, kept checkpoints, background saves, metrics, validation, anomaly policy
+    return check_flags(parser.parse_args())  # every value in its range, every path of its kind (exit 2)
+
+
+def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:  # grpo
+    """[prompts, G] rewards -> each completion's advantage against its own group: (r - mean) / (std + eps). A group
+    all right or all wrong gives 0 everywhere: no signal, its completions only feel the KL term."""
+    return (rewards - rewards.mean(dim=1, keepdim=True)) / (rewards.std(dim=1, keepdim=True) + eps)
+
+
+def grpo_loss(logps, old_logps, ref_logps, advantages, beta: float, clip_eps: float):  # grpo
+    """Per completion token ([rows, T] log-probabilities; advantages [rows]): PPO's clipped policy-gradient term
+    plus beta x the k3 estimate of KL(pi || ref); also each token's KL and whether its ratio was clipped."""
+    ratio, a = torch.exp(logps - old_logps), advantages[:, None]  # pi / pi_old: 1 at the sampling policy
+    policy_term = -torch.min(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a)
+    kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1  # >= 0; its mean under pi is the KL
+    clipped = ((ratio < 1 - clip_eps) & (a < 0)) | ((ratio > 1 + clip_eps) & (a > 0))  # where the clip cut
+    return policy_term + beta * kl, kl, clipped
+
+
+def step_rollouts(model, micro_batches, train_ds, args, epoch: int, autocast, device):  # grpo
+    """The step's rollouts, before any loss (it divides by their tokens): per micro-batch (input_ids, labels,
+    advantages); this rank's completion tokens; the numbers a user watches (tracking.watched_metrics)."""
+    done, watched, G = [], torch.zeros(4, dtype=torch.float64), args.num_generations
+    for batch in micro_batches:  # (indices, prompts, their labels) as the loader gives them
+        input_ids, labels, texts = sample_groups(model, batch, train_ds.encoder, G, args.max_completion_len,
+                                                 args.temperature, args.seed * 1_000_003 + epoch, autocast)
+        scores, counts = score_groups(train_ds.rewards, texts, [train_ds.answer(i) for i in batch[0].tolist()], G)
+        done.append((input_ids, labels, group_advantages(scores).flatten().float().to(device)))
+        watched += counts
+    local_tokens = sum((labels[:, 1:] != -100).sum() for _, labels, _ in done).double()
+    return done, local_tokens, torch.cat([watched.to(device), local_tokens[None], local_tokens.new_zeros(2)])
+
+
+def completion_losses(model, ref_model, input_ids, labels, advantages, args, watch: torch.Tensor):  # grpo
+    """GRPO's loss per completion token (0 elsewhere), the aux loss; adds the KL sum, clipped tokens to watch[-2:].
+    The old log-probabilities are the sampling policy's: these weights, detached (one update per rollout)."""
+    out = model(input_ids, labels=labels, loss_reduction="none")  # out.loss at t: -log p of token t + 1
+    ref_logps = -ref_model(input_ids, labels=labels, loss_reduction="none").loss  # frozen weights: no graph kept
+    mask = torch.nn.functional.pad(labels[:, 1:] != -100, (0, 1)).float()  # the completion's tokens, as out.loss
+    losses, kl, clipped = grpo_loss(-out.loss, -out.loss.detach(), ref_logps, advantages, args.beta, args.clip_eps)
+    watch[-2:] += torch.stack([(kl * mask).sum(), (clipped * mask).sum()]).detach().double()
+    return losses * mask, out.aux_loss
+
+
+def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds, val_ds, run: RunSpec, lm_config,
+                dist_info, policy: AnomalyPolicy, stop: StopRequest, stop_at: float, tracker: Tracker,
+                saver: BackgroundSaver, ref_model) -> tuple[Position, bool]:  # grpo: + the frozen reference
+    """Train from `at` to the epoch's end (False), a stop, --max_steps or the run's end (True); a rollback raises."""
+    n, global_batch, rank, world_size = run.num_samples, run.global_batch, dist_info.rank, dist_info.world_size
+    sampler = SkipBatchSampler(epoch_order(args.seed, at.epoch, n), at.samples_consumed, global_batch,
+                               args.batch_size, rank, world_size)
+    # Its own generator: iter() draws a seed from the global RNG, which a resumed run would then not match.
+    batches = iter(DataLoader(IndexedDataset(train_ds), batch_sampler=sampler, num_workers=args.num_workers,
+                              pin_memory=dist_info.device.type == "cuda", worker_init_fn=loader_worker_ignores_stops,
+                              generator=torch.Generator().manual_seed(args.seed * 1_000_003 + at.epoch)))
+    taken = []  # the steps since the host last read the device: (Step, its numbers, still on the device)
+    for s in range(sampler.num_steps()):
+        # ---- step N: the next global batch, split over ranks and micro-steps -------------------------
+        micro_batches = [next(batches) for _ in range(sampler.micro_steps_per_step(s))]
+        window = len(sampler.step_window(s))
+        # Anomaly policy (optional): after a rollback a lower LR; a window that went wrong: LR 0, not applied
+        lr_scale, stepped_over = policy.before_step(at)
+        # The LR at the position this step reaches, so the first step already trains.
+        progress = (at.epoch * n + at.samples_consumed + window) / (args.epochs * n)
+        lr = get_lr(progress, args.learning_rate, args.warmup_ratio) * lr_scale
+        on_device, local_tokens, watch = step_rollouts(unwrap(model), micro_batches, train_ds, args, at.epoch,  # grpo
+                                                       autocast, dist_info.device)  # grpo
+        # The loss is a sum over completion tokens divided by those of the WHOLE global batch  # grpo
+        # (all ranks, all micro-steps), so the gradient does not depend on how the batch is split.
+        global_tokens = sum_over_ranks(local_tokens.clone())
+        loss_scale = world_size / global_tokens.clamp(min=1.0)  # x world_size: DDP averages over ranks
+        loss_sum = torch.zeros((), dtype=torch.float64, device=dist_info.device)
+        for i, rollout in enumerate(on_device):  # grpo: (input_ids, labels, advantages)
+            # Only the last micro-step all-reduces the gradients; the others just accumulate.
+            with no_sync(model, accumulate_only=i < len(on_device) - 1):
+                with autocast:
+                    losses, aux_loss = completion_losses(model, ref_model, *rollout, args, watch)  # grpo
+                    loss = losses.sum() * loss_scale + aux_loss / len(on_device)  # grpo
+                scaler.scale(loss).backward()
+            loss_sum += losses.detach().sum().double()  # grpo
+        scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        # AdamW's step: skipped on the device, with no wait, where a gradient is not finite (or stepped_over)
+        optimizer_step(optimizer, scaler, grad_norm, skip=stepped_over)
+        optimizer.zero_grad(set_to_none=True)
+        # Step N's numbers stay on the device: reading one (`.item()`) would make the host wait for the GPU.
+        taken.append((Step(at.global_step + 1, at.epoch, at.samples_consumed, lr, stepped_over,
+                           *trained_samples(micro_batches)),  # (its sample indices, its input tokens)
+                      [loss_sum, local_tokens, global_tokens, grad_norm]))
+        at = at.after(window, n)
+        tracker.step_taken(at.global_step)  # the first prints "first step done": a sign of life on a slow machine
+        # ---- step N's log line, validation and save, at their intervals ------------------------------
+        # The stop vote: a signal (SIGTERM, Ctrl-C) on any rank, or a failed background save (all ranks raise)? On
+        # several ranks it costs an all-reduce of two numbers per step between the hosts (gloo: no GPU wait).
+        last = stop.vote(saver) or at.global_step >= stop_at or at.epoch == args.epochs  # or --max_steps, the end
+        log_now = at.global_step % args.log_interval == 0 or at.samples_consumed == 0 or last
+        validate = val_ds is not None and (at.global_step % args.eval_interval == 0 or last)
+        save_now = at.global_step % args.save_interval == 0 or at.samples_consumed == 0 or last
+        if log_now or validate or save_now:  # the host waits for the device here only, as for minimind's loss.item()
+            read, taken = read_on_host(taken), []  # one transfer: the numbers of every step since the last wait
+            for step, numbers in read:  # in step order
+                verdict = policy.judge(step, numbers)  # anomaly policy: a bad step raises Rollback or AnomalyStop
+                tracker.step(step, numbers, verdict)  # its trace line (--save_debug_train_output), tokens/s
+        if log_now:  # step N's line (the last one read): the loss over the global batch, its LR and grad norm
+            tracker.log({"epoch": step.epoch, "samples_consumed": at.samples_consumed, "loss": numbers.loss,
+                         "lr": step.lr, "grad_norm": numbers.grad_norm,  # grpo: and what a user watches
+                         **watched_metrics(watch, args.num_generations)},  # grpo
+                        at.global_step, total_steps(at, n, global_batch, args.epochs))
+        if validate:
+            tracker.validation(at.global_step, validation_loss(unwrap(model), val_ds, args.batch_size,
+                                                               dist_info.device, autocast))
+        if save_now:
+            started = time.perf_counter()
+            kept = lm_checkpoint(lm_config, args.save_weight, model, optimizer, position=at, run=run,
+                                 save_dir=args.save_dir, checkpoint_dir=args.checkpoint_dir, scaler=scaler,
+                                 anomaly_state=policy.state_dict(), trackers=tracker.runs, saver=saver)
+            tracker.saved(at.global_step, kept, time.perf_counter() - started)  # the time it blocked training
+        if last:
+            return at, True
+    return at, False
+
+
+def main() -> None:
+    # ---- 1. Flags ------------------------------------------------------------------------------
+    args = parse_args()
+
+    # ---- 2. Distributed init: one process, or one per GPU (or CPU rank) under torchrun -----------
+    dist_info = init_distributed(args.device)
+    rank, world_size, device = dist_info.rank, dist_info.world_size, dist_info.device
+    log = rank0_logger(dist_info.is_main)
+    setup_seed(args.seed)  # identical initial weights on every rank
+
+    # ---- 3. Data and batch geometry: the files are indexed and checked before any training ------
+    tokenizer = load_tokenizer(args.tokenizer_path)
+    train_ds = GRPODataset(args.data_path, tokenizer, args.max_seq_len - args.max_completion_len,  # grpo
+                           rewards=reward_functions(args.rewards))  # grpo: a name that is none: one line, exit 2
+    val_ds = None  # grpo: no validation loss (flag_checks.check_grpo_flags refuses --val_data)
+    n = len(train_ds)
+    accumulation, global_batch = resolve_accumulation(args.batch_size, world_size, args.accumulation_steps,
+                                                      args.global_batch_size)
+    ref_model, base_identity = frozen_model(args, model_config(args, tokenizer.get_vocab_size()), log)  # grpo: frozen
+    run = RunSpec({**resume_settings(args, accumulation, world_size), **base_identity},  # grpo
+                  data_fingerprint(train_ds.source), n, global_batch, given_sizes(args), args.resume_path)  # grpo
+
+    # ---- 4. Model and optimizer: weights from the checkpoint to resume, from --from_weight, or random -
+    lm_config = model_config(args, tokenizer.get_vocab_size())
+    claim_run_directories(args, run_name(args.save_weight, lm_config), log)  # one trainer per directory
+    resume = bool(args.from_resume or args.resume_path)
+    state = load_checkpoint(lm_config, args.save_weight, args.checkpoint_dir, run) if resume else None
+    model, lm_config = init_model(args, lm_config, log, resume_state=state)  # weights: section 5, --from_weight
+    use_cuda, dtype = device.type == "cuda", getattr(torch, args.dtype)
+    # FP32 master weights, bf16 (or fp16 + GradScaler) autocast on CUDA; fsdp: a slice per rank (sharding.py)
+    model = shard_model(model, device, dtype, args) if args.parallel == "fsdp" else model.to(device)
+    ref_model = ref_model.to(device)  # grpo
+    # fused: one kernel for all parameters, and it can skip a step on the device (trainer_utils.optimizer_step)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.01, fused=True)
+    autocast = torch.autocast("cuda", dtype=dtype) if use_cuda and dtype != torch.float32 else nullcontext()
+    scaler = torch.amp.GradScaler("cuda", enabled=use_cuda and dtype == torch.float16)
+
+    # ---- 5. Resume: weights, optimizer, RNG and the data position (load_checkpoint checked the rest)
+    setup_seed(args.seed + rank)  # ranks differ in dropout noise; a resume on the same world size restores it
+    at = Position()  # epoch 0, no sample consumed, no step taken
+    if state is not None:
+        restore_training_state(state, model, optimizer, scaler, rank, world_size)
+        at = Position(state["epoch"], state["samples_consumed"], state["global_step"])
+    log(f"{model.num_parameters() / 1e6:.2f}M params; {n} samples; global batch {global_batch} = {args.batch_size} x "
+        f"{world_size} ranks x {accumulation} accumulation; to step {total_steps(at, n, global_batch, args.epochs)}")
+
+    # ---- 6. Outputs, the guard, then compile and DDP (after loading: state_dict keys carry no prefixes) --
+    tracker = Tracker(args, args.run_name or run_name(args.save_weight, lm_config), dist_info.is_main, device,
+                      start_step=at.global_step, total_steps=total_steps(at, n, global_batch, args.epochs),
+                      tracker_ids=state["tracker_ids"] if state else {},
+                      model_flops_per_token=flops_per_token(unwrap(model).num_parameters(), lm_config.num_hidden_layers,
+                                                            lm_config.hidden_size, args.max_seq_len))
+    saver = BackgroundSaver(bool(args.async_save), use_cuda, args.keep_last, bool(args.gather_weights),
+                            args.tokenizer_path if args.save_hf else None, optimizer)  # rank 0 writes (fsdp: all)
+    stop = StopRequest()  # SIGTERM / Ctrl-C: the step in progress finishes, is saved, and the run exits 0
+    policy = AnomalyPolicy(args, tracker, not scaler.is_enabled(), state["anomaly"] if state else {}, log)  # memory
+    install_debug_injection(model, args.debug_inject, current_step=policy.step_in_progress)  # --debug_inject only
+    if args.use_compile and args.parallel == "ddp":  # (FSDP compiled each layer as it sharded it)
+        model = torch.compile(model, backend=args.compile_backend)
+    if world_size > 1 and args.parallel == "ddp":
+        model = DistributedDataParallel(model, device_ids=[dist_info.local_rank] if use_cuda else None)
+
+    # ---- 7. Train, epoch by epoch, from the resumed position, to the end, a stop or --max_steps -----
+    stop_at, stopped = at.global_step + (args.max_steps or float("inf")), False  # --max_steps: of this invocation
+    with tracker, saver:  # on an error: the save in flight completes and the status file says "failed"
+        while at.epoch < args.epochs and not stopped:
+            try:
+                at, stopped = train_epoch(args, at, model, optimizer, scaler, autocast, train_ds, val_ds, run,
+                                          lm_config, dist_info, policy, stop, stop_at, tracker, saver,  # grpo
+                                          ref_model)  # grpo
+            except Rollback as rollback:  # back to the newest checkpoint; the bad window is stepped over
+                optimizer.zero_grad(set_to_none=True)
+                finish_saves(saver)  # the newest checkpoint must be complete before we look for it
+                state = load_checkpoint(lm_config, args.save_weight, args.checkpoint_dir, run)
+                at = Position(*policy.rolled_back(rollback, state))  # no checkpoint yet: AnomalyStop
+                stop_at -= rollback.step.number - 1 - at.global_step  # (steps trained again count again)
+                restore_training_state(state, model, optimizer, scaler, rank, world_size)
+                tracker.rollback(at.global_step, total_steps(at, n, global_batch, args.epochs))
+        # ---- 8. The end: the last save on disk, then the run's status ------------------------------
+        finish_saves(saver)
+        tracker.finish("stopped" if at.epoch < args.epochs else "completed")
+
+    # ---- 9. Cleanup ------------------------------------------------------------------------------
+    log(end_of_run(at, args, stop.signal, world_size))
+    del model, optimizer  # the DDP wrapper goes while the process group still exists
+    cleanup_distributed()
+
+
+if __name__ == "__main__":
+    run_script(main)
