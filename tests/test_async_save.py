@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 import signal
 import subprocess
 from pathlib import Path
 
 import torch
 
-from conftest import (FAULT_INJECTION_DIR, TINY_MODEL, assert_exit_code, child_env, launch_command, read_trace, train,
-                      wait_until, with_loader_workers)
+from conftest import (FAULT_INJECTION_DIR, TINY_MODEL, assert_exit_code, child_env, launch_command, read_trace, run_args,
+                      slowed_env, train, wait_until, with_loader_workers)
 from benchmarks.soak_kill import kill_job
 from trainer.hardening.checkpoint_io import RunFiles, manifest_path, verify
+from trainer.hardening.metrics_files import read_metrics
 
 
 def job_args(tmp_path: Path, data: Path, *extra: str) -> list[str]:
@@ -128,3 +130,22 @@ def test_background_and_synchronous_saves_write_the_same_state(tmp_path, pretrai
         assert all(torch.equal(moments[k], background["optimizer"]["state"][index][k]) for k in moments)
     for key in ("epoch", "global_step", "samples_consumed", "world_size", "anomaly"):
         assert sync[key] == background[key]
+
+
+def test_the_save_line_and_the_metrics_say_what_a_save_blocked_training_on(tmp_path, pretrain_data):
+    # Writes slowed to about a second, a background save after every step: from the second save on, training waits
+    # for the write before it (one save in flight at most), and the save line and the metrics records say so.
+    run_dir = tmp_path / "run"
+    args = run_args(run_dir, pretrain_data, "--batch_size", "2", "--max_steps", "3", "--save_interval", "1",
+                    "--async_save", "1")
+    result = subprocess.run(launch_command("train_pretrain.py", None, [*TINY_MODEL, *args]), cwd=tmp_path,
+                            env=slowed_env(save_delay_s=1.0), capture_output=True, text=True, timeout=300)
+    assert_exit_code(result)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("saved step ")]
+    assert len(lines) == 3 and all("copying to CPU memory" in line for line in lines), result.stdout[-3000:]
+    waits = [float(re.search(r"waiting for the previous write ([\d.]+) s", line).group(1)) for line in lines]
+    assert waits[0] < 0.2 < 0.3 < min(waits[1:]), lines
+    logged = [r for r in read_metrics(next((run_dir / "metrics").glob("*_metrics.jsonl"))) if r.get("save_blocked_s")]
+    last = logged[-1]  # step 3's line, logged before its own save: the saves of steps 1 and 2 summed
+    parts = [last[f"save_{part}"] for part in ("wait_s", "copy_s", "write_s", "other_s")]
+    assert abs(sum(parts) - last["save_blocked_s"]) < 1e-9 and last["save_wait_s"] > 0.3, last

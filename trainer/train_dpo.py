@@ -212,7 +212,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
             kept = lm_checkpoint(lm_config, args.save_weight, model, optimizer, position=at, run=run,
                                  save_dir=args.save_dir, checkpoint_dir=args.checkpoint_dir, scaler=scaler,
                                  anomaly_state=policy.state_dict(), trackers=tracker.runs, saver=saver)
-            tracker.saved(at.global_step, kept, time.perf_counter() - started)  # the time it blocked training
+            tracker.saved(at.global_step, kept, time.perf_counter() - started, saver.pop_blocked())  # blocked, by part
         if last:
             return at, True
     return at, False

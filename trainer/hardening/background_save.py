@@ -43,6 +43,8 @@ class BackgroundSaver:
         self.error: BaseException | None = None
         self.copy_stream = torch.cuda.Stream() if pin_memory else None  # the side stream of the copies
         self.copied: torch.cuda.Event | None = None
+        # What the save in progress blocked training on so far, in seconds (pop_blocked hands it to the tracker).
+        self.blocked: dict[str, float] = {}
         if self.copy_stream is not None and optimizer is not None:
             optimizer.register_step_pre_hook(self._update_waits_for_copies)
 
@@ -61,13 +63,25 @@ class BackgroundSaver:
         """`state` with every tensor copied into this saver's CPU buffers, as it is now (on CUDA: queued on the
         side stream; the next optimizer step waits for it). First waits for the write in flight: its buffers are
         about to be reused (at most one save in flight)."""
+        started = time.perf_counter()
         self.wait()
-        return self.snapshot(state)
+        waited = time.perf_counter()
+        snapshot = self.snapshot(state)
+        self.blocked.update(wait_s=waited - started, copy_s=time.perf_counter() - waited)
+        return snapshot
 
     def write(self, function: Callable[..., None], *args) -> None:
         """`function(*args)`, a write of what `copy` returned, once the copies have landed: in a thread when
         `background`, else now."""
+        started = time.perf_counter()
         self.run(lambda: (self._copies_landed(), function(*args)))
+        self.blocked["write_s"] = time.perf_counter() - started  # the whole write, or starting its thread
+
+    def pop_blocked(self) -> dict[str, float]:
+        """What the last save blocked training on: waiting for the write before it (`wait_s`), copying the state
+        to CPU memory (`copy_s`), writing it now or starting the writer thread (`write_s`); {} for a sharded save."""
+        blocked, self.blocked = self.blocked, {}
+        return blocked
 
     def run(self, job: Callable[[], None]) -> None:
         """Run `job`, a write whose data is copied already: in a thread when `background`, else now."""

@@ -40,6 +40,9 @@ PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, 
 
 
 # What GRPO's log line adds (trainer/train_grpo.py: watched_metrics), in this order.
+# What a save blocks training on, as the save line names it (metrics records: save_wait_s, save_copy_s, ...).
+SAVE_PARTS = {"wait_s": "waiting for the previous write", "copy_s": "copying to CPU memory", "write_s": "writing",
+              "other_s": "the state and the ranks' RNG"}
 RL_METRICS = ("reward", "reward_std", "no_signal", "completion_len", "kl", "clip_fraction")
 
 
@@ -261,6 +264,7 @@ class Tracker:
         self.started = self.last_log = time.perf_counter()
         self.current_step = self.last_log_step = start_step
         self.steps_done, self.tokens, self.saves, self.save_blocked_s = 0, 0, 0, 0.0
+        self.save_parts_s: dict[str, float] = {}  # the blocked time by part, summed over this run's saves
         self.log_interval, self.async_save, self.first_taken = args.log_interval, bool(args.async_save), False
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         self.last_finished = (None, None)  # (step, Unix time): one tuple, so the heartbeat never reads half
@@ -316,6 +320,7 @@ class Tracker:
         since, steps = now - self.last_log, max(step - self.last_log_step, 1)
         metrics = {"step": step, **metrics, "tokens_per_s": self.tokens / max(since, 1e-9),
                    "step_time_s": since / steps, "save_blocked_s": self.save_blocked_s,
+                   **{f"save_{part}": seconds for part, seconds in self.save_parts_s.items()},
                    "eta_s": (total_steps - step) * (now - self.started) / max(self.steps_done, 1)}
         if self.device.type == "cuda":
             metrics["peak_mem_GiB"] = torch.cuda.max_memory_allocated() / 2**30
@@ -364,11 +369,17 @@ class Tracker:
         if self.files is not None:
             self.files.rollback(step, total_steps)
 
-    def saved(self, step: int, path: str | Path, blocked_s: float) -> None:
-        """The checkpoint of `step` (its kept file `path`) blocked training for `blocked_s`."""
+    def saved(self, step: int, path: str | Path, blocked_s: float, parts: dict[str, float]) -> None:
+        """The checkpoint of `step` (its kept file `path`) blocked training for `blocked_s`, of which `parts`
+        (BackgroundSaver.pop_blocked: waiting for the previous write, the copy, the write); the rest is building
+        the state, the ranks' exchange of RNG states and --save_hf's export. The metrics records sum them up."""
+        parts = {**parts, "other_s": max(blocked_s - sum(parts.values()), 0.0)}
         self.saves, self.save_blocked_s = self.saves + 1, self.save_blocked_s + blocked_s
+        for part, seconds in parts.items():
+            self.save_parts_s[part] = self.save_parts_s.get(part, 0.0) + seconds
         if self.is_main:
-            print(f"saved step {step} to {path}: training blocked {blocked_s:.2f} s"
+            spent = ", ".join(f"{SAVE_PARTS[part]} {seconds:.2f} s" for part, seconds in parts.items())
+            print(f"saved step {step} to {path}: training blocked {blocked_s:.2f} s ({spent})"
                   + ("; the write goes on in the background" if self.async_save else ""), flush=True)
 
     def finish(self, status: str) -> None:
