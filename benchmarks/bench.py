@@ -205,6 +205,9 @@ def run_loop(args: argparse.Namespace, workdir: Path, save_interval: int, async_
             "step_time_s": round(sum(r["step_time_s"] for r in steady) / len(steady), 5),
             "saves": saves, "blocked_s": round(blocked, 3),
             "blocked_per_save_s": round(blocked / saves, 3) if saves else 0.0,
+            # What it blocked on, summed over those saves (tracking.SAVE_PARTS): the previous write, the copy, ...
+            "blocked_by_s": {part: round(records[-1].get(f"save_{part}", 0.0), 3)
+                             for part in ("wait_s", "copy_s", "write_s", "other_s")},
             "peak_mem_GiB": round(max(peaks), 3) if peaks else None}
 
 
