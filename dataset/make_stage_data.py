@@ -1,4 +1,4 @@
-"""Generate the demo data of the stages after SFT, committed next to this file: LoRA and DPO.
+"""Generate the demo data of the stages after SFT, committed next to this file: LoRA, DPO and GRPO.
 
     python dataset/make_stage_data.py            # same files as committed (seed 0)
     python dataset/make_stage_data.py --seed 1 --out_dir /tmp/demo
@@ -19,6 +19,11 @@ It builds on make_demo_data.py's closed world (scripts/run_demo.sh runs that fir
   (a capital for a capital, a digit for a digit).
 * dpo_demo_eval.jsonl: the same kind of pair for each question of sft_demo_eval.jsonl (questions SFT
   never asked), for the share of held-out pairs where a model prefers the right answer.
+* grpo_demo.jsonl (SFT format, the last assistant message the reference answer, as trainer/train_grpo.py reads
+  it): every question SFT could ask, in the phrasing SFT never used (the eval's), about the items the eval does
+  not ask about. The answer reward then scores the model on a phrasing it was never taught, and the eval
+  (sft_demo_eval.jsonl) stays held out: its questions are the same phrasing about other items, or items no
+  stage trains on.
 """
 
 from __future__ import annotations
@@ -118,6 +123,24 @@ def dpo_eval_pairs(rng: random.Random, evaluation: list[dict]) -> list[dict]:
     return pairs
 
 
+# 3. GRPO's prompts: the phrasing SFT never used, about the items the eval does not ask -------------
+
+def grpo_prompts(rng: random.Random, held_out: dict[str, set], evaluation: list[dict]) -> list[dict]:
+    """One prompt per (task, item, language) whose question in the eval's phrasing the eval does not ask, with
+    its exact answer: the answer reward's reference. Shuffled."""
+    asked = {record["conversations"][-2]["content"] for record in evaluation}
+    prompts = []
+    for task in TASKS:
+        for key in task.keys:
+            for lang in ("en", "zh"):
+                questions, answer = task.ask(key, lang)
+                if key not in held_out[task.name] and questions[-1] not in asked:
+                    prompts.append({"conversations": [{"role": "user", "content": questions[-1]},
+                                                      {"role": "assistant", "content": answer}]})
+    rng.shuffle(prompts)
+    return prompts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
@@ -127,7 +150,7 @@ def main() -> None:
     parser.add_argument("--eval_phrasing_per_task", type=int, default=20, help="as make_demo_data.py's")
     args = parser.parse_args()
 
-    # The same held-out split and eval as make_demo_data.py (same seeds): DPO never asks what the eval asks.
+    # The same held-out split and eval as make_demo_data.py (same seeds): DPO and GRPO never ask what the eval asks.
     held_out = split_held_out(random.Random(f"{args.seed}:split"))
     evaluation = eval_items(random.Random(f"{args.seed}:eval"), held_out, args.eval_phrasing_per_task)
     rng = random.Random(f"{args.seed}:lora")
@@ -136,6 +159,7 @@ def main() -> None:
     rng = random.Random(f"{args.seed}:dpo")
     files["dpo_demo.jsonl"] = [dpo_pair(rng, held_out) for _ in range(args.dpo_lines)]
     files["dpo_demo_eval.jsonl"] = dpo_eval_pairs(random.Random(f"{args.seed}:dpo_eval"), evaluation)
+    files["grpo_demo.jsonl"] = grpo_prompts(random.Random(f"{args.seed}:grpo"), held_out, evaluation)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for name, records in files.items():
         write_jsonl(args.out_dir / name, records)

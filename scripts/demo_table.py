@@ -1,6 +1,6 @@
-"""The demo's before-and-after table: random weights, after pretraining, after SFT, SFT + LoRA, after DPO.
+"""The demo's before-and-after table: random weights, after pretraining, after SFT, SFT + LoRA, after DPO, after GRPO.
 
-    python scripts/demo_table.py --hidden_size 128    # after scripts/run_demo.sh has trained the four stages
+    python scripts/demo_table.py --hidden_size 128    # after scripts/run_demo.sh has trained the five stages
 
 Each row is one model, scored five ways (the numbers eval_model.py prints for each alone):
   val bits per byte  on dataset/val_demo.jsonl, text pretraining never saw (as --bpb_data with --max_seq_len
@@ -17,13 +17,18 @@ The random weights are the ones pretraining starts from: drawn with the trainer'
 trainer/train_pretrain.py) at the sizes of out/pretrain_*.pth. Only the SFT model was taught to answer in
 the chat format, so exact match before SFT is expected near 0; the multiple choice reads plain
 "Q: ... A:" text, which pretraining has seen, so it can show what pretraining learned.
+Below the table, what GRPO optimises, on the same held-out questions: how often an answer sampled as GRPO samples
+them (temperature 1, --samples per question, the answer reward) is right, after SFT and after GRPO, and the
+GRPO run's steps and time (out/grpo_*_status.json).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -34,6 +39,8 @@ if __package__ in (None, ""):  # run as a file: the repository, not this folder,
 
 from eval_choices import choice_loglikelihoods, read_choice_items, score_choices
 from dataset.dpo_dataset import DPODataset
+from dataset.grpo_dataset import GRPODataset, sample_groups
+from dataset.rewards import reward_functions, score_groups
 from eval_choices import pair_logprobs, score_pairs
 from eval_model import add_model_flags, evaluate_exact_match, file_loss, load_model, read_jsonl
 from model.model import CausalLM
@@ -67,6 +74,30 @@ def stage_scores(model: CausalLM, tokenizer: Tokenizer, args: argparse.Namespace
             "domain_total": domain_total, "prefers": pairs["accuracy"], "pairs": pairs["pairs"], "pair_logps": pair_logps}
 
 
+@torch.no_grad()
+def sampled_right(model: CausalLM, tokenizer: Tokenizer, eval_data: str, samples: int, max_new_tokens: int,
+                  seed: int, max_prompt_len: int = 128) -> float:
+    """The share of answers sampled at temperature 1 (`samples` per question, drawn as GRPO draws a group, by seed
+    and question) that the answer reward scores right: the reward GRPO raises, on questions it never trained on."""
+    questions = GRPODataset(eval_data, tokenizer, max_prompt_len, reward_functions("answer"))  # (padded to it)
+    right = 0.0
+    for start in range(0, len(questions), 16):
+        indices = list(range(start, min(start + 16, len(questions))))
+        ids, labels = (torch.stack(column) for column in zip(*(questions[i] for i in indices)))
+        _, _, texts = sample_groups(model, (torch.tensor(indices), ids, labels), questions.encoder, samples,
+                                    max_new_tokens, 1.0, seed, nullcontext())
+        scores, _ = score_groups(questions.rewards, texts, [questions.answer(i) for i in indices], samples)
+        right += float(scores.sum())
+    return right / (samples * len(questions))
+
+
+def grpo_run_time(save_dir: str, hidden_size: int) -> str:
+    """'N steps in T s' of the GRPO run whose weights the table scored, from its status file (this invocation's)."""
+    status = json.loads((Path(save_dir) / f"grpo_{hidden_size}_status.json").read_text(encoding="utf-8"))
+    steps = status["current_step"]
+    return f"{steps} step{'s' * (steps != 1)} in {status['updated'] - status['started']:.0f} s"
+
+
 def format_table(rows: list[tuple[str, dict]]) -> str:
     """A markdown table, one line per (name, stage_scores) row."""
     first = rows[0][1]
@@ -98,21 +129,25 @@ def main(argv: list[str] | None = None) -> int:
     # tokens, and random or pretrained weights rarely stop early: 64 tokens a question cost them most of a minute.
     p.add_argument("--max_new_tokens", type=int, default=16, help="for the exact match (generated tokens at most)")
     p.add_argument("--seed", type=int, default=42, help="the trainer's --seed: it draws the random weights")
+    p.add_argument("--samples", type=int, default=8, help="answers sampled per question, for GRPO's line")
     args = p.parse_args(argv)
 
     tokenizer = load_tokenizer(args.tokenizer_path)
     device = torch.device(args.device)
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731 (stdout carries the table only)
     try:
-        pretrained, sft, dpo = [load_model(argparse.Namespace(**{**vars(args), "weight": weight, "lora": None}),
-                                           tokenizer, device, log) for weight in ("pretrain", "full_sft", "dpo")]
+        pretrained, sft, dpo, grpo = [load_model(argparse.Namespace(**{**vars(args), "weight": weight, "lora": None}),
+                                                 tokenizer, device, log)
+                                      for weight in ("pretrain", "full_sft", "dpo", "grpo")]
+        grpo_time = grpo_run_time(args.save_dir, grpo.config.hidden_size)
         lora = load_model(argparse.Namespace(**{**vars(args), "weight": "full_sft"}), tokenizer, device, log)
     except (FileNotFoundError, RuntimeError) as error:
         print(f"error: {error}; run the demo's training stages first (bash scripts/run_demo.sh)", file=sys.stderr)
         return 2
     rows = []
     for name, model in (("random weights", initial_model(pretrained, args.seed)), ("after pretraining", pretrained),
-                        ("after SFT", sft), ("SFT + LoRA", lora), ("after DPO (from SFT)", dpo)):
+                        ("after SFT", sft), ("SFT + LoRA", lora), ("after DPO (from SFT)", dpo),
+                        ("after GRPO (from SFT)", grpo)):
         start = time.perf_counter()
         rows.append((name, stage_scores(model, tokenizer, args)))
         log(f"{name}: scored in {time.perf_counter() - start:.1f} s")
@@ -123,6 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     moved = score_pairs(rows[4][1]["pair_logps"], rows[2][1]["pair_logps"])["reward_accuracy"]
     print(f"(after DPO: its implicit reward against the SFT model prefers the right answer on {100 * moved:.1f} % "
           f"of the held-out pairs)", flush=True)
+    # GRPO raises the reward of answers sampled as it samples them; greedy exact match (the table) moves less.
+    before, after = (sampled_right(model, tokenizer, args.eval_data, args.samples, args.max_new_tokens, args.seed)
+                     for model in (sft, grpo))
+    print(f"(after GRPO, {grpo_time}: answers sampled at temperature 1, {args.samples} per held-out question, are "
+          f"right {100 * after:.1f} % of the time, against {100 * before:.1f} % after SFT)", flush=True)
     return 0
 
 

@@ -27,6 +27,7 @@ if __package__ in (None, ""):  # run as a file: the repository, not this folder,
 from trainer.hardening.metrics_files import is_finite_number, is_train_record, read_metrics
 
 METRICS_SUFFIX = "_metrics.jsonl"
+REWARD_WINDOW = 10  # GRPO's reward is drawn as logged and as this many log points' trailing mean
 
 
 def run_name_from_path(path: Path) -> str:
@@ -38,6 +39,15 @@ def run_name_from_path(path: Path) -> str:
 def values(records: list[dict], key: str) -> list[float]:
     """`key` of each record as floats; NaN (a gap in the line) where it is not finite or absent."""
     return [r[key] if is_finite_number(r.get(key)) else float("nan") for r in records]
+
+
+def trailing_mean(points: list[float], window: int) -> list[float]:
+    """Each point's mean with the window - 1 before it (fewer at the start), over its finite values (NaN if none)."""
+    means = []
+    for i in range(len(points)):
+        finite = [p for p in points[max(0, i - window + 1):i + 1] if is_finite_number(p)]
+        means.append(sum(finite) / len(finite) if finite else float("nan"))
+    return means
 
 
 def plot_metrics(records: list[dict], out_path: str | Path, run_name: str = "") -> Path:
@@ -80,7 +90,10 @@ def metrics_figure(records: list[dict], run_name: str = "") -> Figure:
         bpb_ax.set_ylabel("val bits per byte")
 
     if reward_ax is not None:  # GRPO: the mean reward, and the share of groups whose rewards were all alike
-        reward_ax.plot(steps, values(train, "reward"), color="tab:red", label="reward")
+        rewards_logged = values(train, "reward")  # each step's own: a few groups, so it jumps from step to step
+        reward_ax.plot(steps, rewards_logged, color="tab:red", alpha=0.35, label="reward")
+        reward_ax.plot(steps, trailing_mean(rewards_logged, REWARD_WINDOW), color="tab:red",
+                       label=f"reward, mean of the last {REWARD_WINDOW} points")
         reward_ax.plot(steps, values(train, "no_signal"), color="tab:gray", label="groups without signal")
         reward_ax.set_ylabel("reward")
         reward_ax.legend(loc="upper left")

@@ -236,7 +236,7 @@ def test_committed_demo_data_is_what_the_generator_writes(tmp_path):
         assert (tmp_path / name).read_bytes() == (DATA_DIR / name).read_bytes(), name
 
 
-STAGE_FILES = ["lora_demo.jsonl", "lora_demo_eval.jsonl", "dpo_demo.jsonl", "dpo_demo_eval.jsonl"]
+STAGE_FILES = ["lora_demo.jsonl", "lora_demo_eval.jsonl", "dpo_demo.jsonl", "dpo_demo_eval.jsonl", "grpo_demo.jsonl"]
 
 
 def test_committed_stage_data_is_what_its_generator_writes(tmp_path):
@@ -270,3 +270,19 @@ def test_dpo_pairs_share_their_prompt_and_prefer_the_right_answer_to_a_wrong_one
     assert [r["chosen"] for r in held_out] == [r["conversations"] for r in evaluation]
     asked = {r["chosen"][-2]["content"] for r in training}
     assert not asked & {r["chosen"][-2]["content"] for r in held_out}
+
+
+def test_grpo_asks_the_phrasing_sft_never_used_about_items_the_eval_does_not_ask_with_the_right_answer():
+    """GRPO's prompts (dataset/grpo_demo.jsonl) ask in the eval's phrasing, which SFT never used, and never a question
+    of the eval (sft_demo_eval.jsonl), so the demo's exact match after GRPO is on questions GRPO never saw."""
+    last_phrasing = {task.ask(key, lang)[0][-1]: (task.name, task.ask(key, lang)[1])
+                     for task in TASKS for key in task.keys for lang in ("en", "zh")}  # question: (task, answer)
+    prompts = [r["conversations"] for r in read_records("grpo_demo.jsonl")]
+    assert len(prompts) > 250 and all(len(c) == 2 and c[0]["role"] == "user" for c in prompts)
+    assert all(last_phrasing[c[0]["content"]][1] == c[1]["content"] for c in prompts)  # each with its right answer
+    assert {last_phrasing[c[0]["content"]][0] for c in prompts} == {task.name for task in TASKS}  # every task
+    sft_questions = {m["content"] for r in read_records("sft_demo.jsonl") for m in r["conversations"]
+                     if m["role"] == "user"}
+    eval_questions = {r["conversations"][-2]["content"] for r in read_records("sft_demo_eval.jsonl")}
+    asked = {c[0]["content"] for c in prompts}
+    assert len(asked) == len(prompts) and not asked & sft_questions and not asked & eval_questions

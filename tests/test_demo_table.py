@@ -7,6 +7,7 @@ initial weights of a tiny model; the tests compare the table's random weights an
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 
@@ -36,6 +37,16 @@ def run(tmp_path_factory):
     for stage in ("full_sft", "dpo"):  # the same file under the later stages' names
         shutil.copy(root / "out" / "pretrain_32.pth", root / "out" / f"{stage}_32.pth")
     write_adapter(root / "out", tiny_config(), base=root / "out" / "full_sft_32.pth")  # lora_demo_32.pth
+    # A real GRPO step from full_sft_32.pth (brevity: a random model's answers differ in length, never in being
+    # right), its status file beside its weights as in the demo
+    prompts = slice_jsonl(REPO / "dataset" / "grpo_demo.jsonl", root / "prompts.jsonl", 4)
+    args = run_args(root, prompts, "--batch_size", "4", "--max_steps", "1", "--num_generations", "2",
+                    "--max_completion_len", "8", "--rewards", "brevity", "--learning_rate", "1e-2")
+    args[args.index("--metrics_dir") + 1] = str(root / "out")
+    args[args.index("--save_debug_train_output") + 1] = str(root / "grpo_trace.jsonl")
+    result = subprocess.run(launch_command("train_grpo.py", None, [*TINY_MODEL, *args]), cwd=root,
+                            env=child_env(), capture_output=True, text=True, timeout=300)
+    assert_exit_code(result)
     return root
 
 
@@ -69,7 +80,7 @@ def test_the_table_has_one_row_per_model_with_its_scores_on_the_given_files(run,
     lines = capsys.readouterr().out.splitlines()
     rows = [line for line in lines if line.startswith("| ") and not line.startswith("| weights")]
     assert [row.split(" | ")[0] for row in rows] == ["| random weights", "| after pretraining", "| after SFT",
-                                                     "| SFT + LoRA", "| after DPO (from SFT)"]
+                                                     "| SFT + LoRA", "| after DPO (from SFT)", "| after GRPO (from SFT)"]
     assert rows[1].split(" | ")[1:] == rows[2].split(" | ")[1:] == rows[4].split(" | ")[1:]  # one file, three names
     assert rows[3].split(" | ")[1] != rows[2].split(" | ")[1]  # the adapter (random B) moves the bits per byte
 
@@ -85,10 +96,38 @@ def test_the_table_has_one_row_per_model_with_its_scores_on_the_given_files(run,
     assert rows[1] == (f"| after pretraining | {bpb:.3f} | {100 * scores['acc']:.1f} % | "
                        f"{scores['acc_centred']:+.3f} | {correct}/2 = {50.0 * correct:.1f} % | "
                        f"{domain_correct}/2 = {50.0 * domain_correct:.1f} % | {100 * prefers:.1f} % |")
-    assert lines[-1] == "(after DPO: its implicit reward against the SFT model prefers the right answer on 0.0 % of " \
+    assert lines[-2] == "(after DPO: its implicit reward against the SFT model prefers the right answer on 0.0 % of " \
         "the held-out pairs)"  # the same weights as SFT's: every reward is 0, and a tie is no preference
-    assert lines[-2] == ("(multiple choice: 6 items, chance 25.0 %; exact match: 2 held-out chat questions; "
+    assert lines[-3] == ("(multiple choice: 6 items, chance 25.0 %; exact match: 2 held-out chat questions; "
                          "LoRA's domain: 2 translations in an unseen phrasing; prefers right: 5 held-out pairs)")
+
+
+def test_grpos_line_gives_its_run_and_how_often_sampled_answers_are_right_before_and_after(run, tmp_path, capsys):
+    """Below the table: the GRPO run's steps and time, read from its status file, and the share of answers sampled
+    at temperature 1 that the answer reward scores right, for the SFT and the GRPO weights on the eval's questions."""
+    em = slice_jsonl(REPO / "dataset" / "sft_demo_eval.jsonl", tmp_path / "eval.jsonl", 6)
+    status = json.loads((run / "out" / "grpo_32_status.json").read_text())
+    tokenizer = load_tokenizer(REPO / "model" / "tokenizer.json")
+    sft, grpo = load(run, "full_sft"), load(run, "grpo")
+    assert any(not torch.equal(a, b) for a, b in zip(sft.state_dict().values(), grpo.state_dict().values()))
+    right = [demo_table.sampled_right(model, tokenizer, str(em), 4, 4, seed=42) for model in (sft, grpo)]
+    assert all(0 <= r <= 1 and (r * 24).is_integer() for r in right)  # 6 questions x 4 answers
+    # the draws are the seed's: the same again
+    assert demo_table.sampled_right(sft, tokenizer, str(em), 4, 4, seed=42) == right[0]
+    assert demo_table.main([*SIZE_FLAGS, "--save_dir", str(run / "out"), "--device", "cpu", "--eval_data", str(em),
+                            "--max_new_tokens", "4", "--samples", "4", *small_files(tmp_path)]) == 0
+    seconds = status["updated"] - status["started"]
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"(after GRPO, 1 step in {seconds:.0f} s: answers sampled at temperature 1, 4 per held-out question, are "
+        f"right {100 * right[1]:.1f} % of the time, against {100 * right[0]:.1f} % after SFT)")
+
+
+def small_files(tmp_path) -> list[str]:
+    """The table's other files, a few lines each."""
+    files = {"--val_data": "val_demo.jsonl", "--mc_data": "mc_demo.jsonl", "--lora_eval_data": "lora_demo_eval.jsonl",
+             "--pairs_data": "dpo_demo_eval.jsonl"}
+    return [part for flag, name in files.items()
+            for part in (flag, str(slice_jsonl(REPO / "dataset" / name, tmp_path / name, 2)))]
 
 
 def test_a_missing_stage_is_named_with_what_to_run(tmp_path, capsys):

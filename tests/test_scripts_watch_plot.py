@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, child_env
-from scripts.plot_metrics import metrics_figure, plot_metrics
+from scripts.plot_metrics import REWARD_WINDOW, metrics_figure, plot_metrics, trailing_mean
 from scripts.watch_run import render_summary
 from scripts.run_files import STATUS_FIELDS
 from trainer.hardening.metrics_files import MetricsFileWriter, read_metrics
@@ -172,6 +172,20 @@ def test_plot_draws_a_run_whose_loss_went_nan(tmp_path):
     records.append({"event": "anomaly", "step": 3, "reason": "non-finite loss nan at step 3", "timestamp": 3.5})
     out = plot_metrics(records, tmp_path / "nan.png", "nan_run")
     assert out.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_a_grpo_runs_reward_is_drawn_as_logged_and_as_a_trailing_mean_over_its_finite_points():
+    nan = float("nan")
+    assert trailing_mean([1.0, nan, 3.0, 5.0, nan], 2) == [1.0, 1.0, 3.0, 4.0, 5.0]
+    assert all(x != x for x in trailing_mean([nan, nan], 3))  # nothing finite in the window: a gap
+    rewards = [0.2 * (step % 2) + step / 100 for step in range(1, 31)]  # a zigzag that rises
+    records = [{"step": step, "loss": 0.0, "lr": 1e-4, "grad_norm": 1.0, "reward": reward, "no_signal": 0.5}
+               for step, reward in zip(range(1, 31), rewards)]
+    reward_ax = next(ax for ax in metrics_figure(records).axes if ax.get_ylabel() == "reward")
+    lines = {line.get_label(): list(line.get_ydata()) for line in reward_ax.get_lines()}
+    assert lines["reward"] == rewards
+    mean = lines[f"reward, mean of the last {REWARD_WINDOW} points"]
+    assert mean[9] == pytest.approx(sum(rewards[:10]) / 10) and mean[29] == pytest.approx(sum(rewards[20:]) / 10)
 
 
 def test_plot_refuses_a_file_without_training_records(tmp_path):

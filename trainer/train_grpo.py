@@ -47,7 +47,7 @@ from trainer.trainer_utils import (REPO_ROOT, IndexedDataset, Position, RunSpec,
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     a = parser.add_argument
-    a("--data_path", default=str(REPO_ROOT / "dataset" / "sft_demo.jsonl"), help="JSONL of prompts, answers")  # grpo
+    a("--data_path", default=str(REPO_ROOT / "dataset" / "grpo_demo.jsonl"), help="JSONL of prompts, answers")  # grpo
     a("--save_dir", default=str(REPO_ROOT / "out"), help="where the FP16 inference weights go")
     a("--checkpoint_dir", default=str(REPO_ROOT / "checkpoints"), help="where the resume state goes")
     a("--save_weight", default="grpo", help="name prefix of the saved files")  # grpo
