@@ -94,7 +94,8 @@ def metrics_figure(records: list[dict], run_name: str = "") -> Figure:
         reward_ax.plot(steps, rewards_logged, color="tab:red", alpha=0.35, label="reward")
         reward_ax.plot(steps, trailing_mean(rewards_logged, REWARD_WINDOW), color="tab:red",
                        label=f"reward, mean of the last {REWARD_WINDOW} points")
-        reward_ax.plot(steps, values(train, "no_signal"), color="tab:gray", label="groups without signal")
+        reward_ax.plot(steps, values(train, "no_signal"), color="tab:gray", linestyle="--", linewidth=1,
+                       label="groups without signal")
         reward_ax.set_ylabel("reward")
         reward_ax.legend(loc="upper left")
 

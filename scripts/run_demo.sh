@@ -92,10 +92,11 @@ python trainer/train_dpo.py "${SIZE[@]}" --max_seq_len 64 --batch_size 32 --lear
 stop_if_stopped dpo_128
 
 # GRPO asks the eval's phrasing, which SFT never used, about the items the eval does not ask (make_stage_data.py);
-# the answer reward alone, so the reward curve reads as the share of sampled answers that are right.
+# the answer reward alone, so the reward curve reads as the share of sampled answers that are right. 32 questions a
+# step (256 answers): fewer make each step's reward depend mostly on which questions it drew.
 echo "== 6. GRPO: 8 answers sampled per question from out/full_sft_128.pth, each judged against its group by the answer reward"
-python trainer/train_grpo.py "${SIZE[@]}" --max_seq_len 64 --max_completion_len 16 --batch_size 8 --num_generations 8 \
-    --learning_rate 1e-4 --epochs 3 --rewards answer --log_interval 3 --save_interval 200
+python trainer/train_grpo.py "${SIZE[@]}" --max_seq_len 64 --max_completion_len 16 --batch_size 32 --num_generations 8 \
+    --learning_rate 2e-4 --epochs 6 --rewards answer --log_interval 2 --save_interval 200
 stop_if_stopped grpo_128
 
 echo "== 7. before and after: random weights, pretrained, SFT, SFT + LoRA, DPO, GRPO on held-out data (scripts/demo_table.py)"
