@@ -1,12 +1,14 @@
 """The READMEs' commands run as written on a fresh clone: one style for running a script (`python scripts/X.py`,
-never `python -m scripts.X`), every script a README runs answers `--help`, the two READMEs show the same commands,
-and the export commands, run as printed on small weights under out/, write only under out/.
+never `python -m scripts.X`), every script a README runs answers `--help`, every training command shown passes its
+script's flag checks, the two READMEs show the same commands, and the export commands, run as printed on small
+weights under out/, write only under out/.
 
 (tests/test_readme_points_at_the_code.py holds the paths and links; the demo itself: tests/test_run_demo.py.)
 """
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -66,6 +68,48 @@ def test_every_script_the_readmes_and_docs_run_answers_help():
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stderr.count("helped ") == len(scripts)
+
+
+# Each command's flags through its script's parse_args (the flag checks: ranges, combinations, paths), in one
+# interpreter; prints "ok" or the one line the script would exit with.
+CHECK_FLAGS = """
+import json, runpy, sys
+from trainer.hardening.resume_checks import ConfigError
+for script, *flags in json.loads(sys.argv[1]):
+    sys.argv = [script, *flags]
+    try:
+        runpy.run_path(script, run_name="flags_only")["parse_args"]()
+        print("ok")
+    except (ConfigError, SystemExit) as refused:
+        print("refused:", refused)
+"""
+USER_FILES = ("--data_path", "--val_data", "--tokenizer_path")  # files a user brings (minimind's data, tokenizer)
+
+
+def test_every_training_command_shown_passes_its_scripts_flag_checks(tmp_path):
+    """A command shown with flags its script refuses (GRPO's --max_completion_len 64 left at its default beside
+    --max_seq_len 64, say) fails for whoever copies it. The files a user brings, named by a path that is not in the
+    clone (pretrain_hq.jsonl, minimind/model/tokenizer.json), are made empty under tmp_path in its place."""
+    commands = {}
+    for page in PAGES:
+        for line in bash_lines(page) + inline_commands(page):
+            for script, flags in re.findall(r"(?:python|torchrun(?: --\S+)*) (trainer/train_(?!tokenizer)\w+\.py)"
+                                            r"((?: [^|;&`]*)?)", line):
+                argv = flags.split()
+                for i, flag in enumerate(argv[:-1]):
+                    if flag in USER_FILES and not (REPO / argv[i + 1]).exists():
+                        (tmp_path / argv[i + 1]).parent.mkdir(parents=True, exist_ok=True)
+                        (tmp_path / argv[i + 1]).touch()
+                        argv[i + 1] = str(tmp_path / argv[i + 1])
+                commands.setdefault((script, *argv), page)
+    assert {c[0] for c in commands} >= {f"trainer/train_{s}.py" for s in ("pretrain", "full_sft", "lora", "dpo", "grpo")}
+    result = subprocess.run([sys.executable, "-c", CHECK_FLAGS, json.dumps(list(commands))], cwd=REPO,
+                            env=child_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    verdicts = result.stdout.splitlines()
+    refused = {f"{page}: {' '.join(command)}": verdict for (command, page), verdict in
+               zip(commands.items(), verdicts) if verdict != "ok"}
+    assert len(verdicts) == len(commands) and not refused, refused
 
 
 def test_the_export_commands_as_printed_write_their_files_under_out(tmp_path):
