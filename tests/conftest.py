@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -207,6 +208,29 @@ def assert_each_sample_once(records: list[dict], num_samples: int, epochs: int) 
         missing = sorted(set(range(num_samples)) - set(counts))
         repeated = sorted(i for i, n in counts.items() if n > 1)
         assert not missing and not repeated, f"epoch {epoch}: missing {missing}, trained twice {repeated}"
+
+
+def sigterm_two_ranks_then_resume(script: str, run: str, args: list[str], run_dir: Path) -> None:
+    """A 2-rank run of 11 samples x 2 epochs (batch 1), SIGTERM to every training process after 4 trace lines: it
+    saves, exits 0 and says stopped; the resume on 2 ranks completes and trains each sample once per epoch."""
+    trace = run_dir / "trace.jsonl"
+    launcher = subprocess.Popen(launch_command(script, 2, [*with_loader_workers(1), *args]), cwd=run_dir,
+                                env=slowed_env(step_delay_s=0.2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+    deadline = time.time() + 120
+    while (not trace.exists() or len(read_trace(trace)) < 4) and time.time() < deadline:
+        time.sleep(0.2)
+    workers = child_pids(launcher.pid)
+    assert len(workers) == 2, "expected two worker processes under torchrun"
+    for pid in workers + [loader for worker in workers for loader in child_pids(worker)]:
+        os.kill(pid, signal.SIGTERM)  # as a preempted machine signals every training process
+    output, _ = launcher.communicate(timeout=120)
+    assert launcher.returncode == 0 and "(SIGTERM)" in output, output[-3000:]
+    stopped_at = resume_file(run_dir, run)["global_step"]
+    assert 2 <= stopped_at < 12 and status_of(run_dir, run)["status"] == "stopped"
+    train(script, 2, [*args, "--from_resume", "1"], run_dir)
+    assert events_of(run_dir, run) == [("resume", stopped_at)] and status_of(run_dir, run)["status"] == "completed"
+    assert_each_sample_once(trace_of(run_dir), num_samples=11, epochs=2)
 
 
 # ---- comparing resume states ------------------------------------------------------------------

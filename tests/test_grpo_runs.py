@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import (REPO, TINY_MODEL, assert_each_sample_once, assert_states_equal, child_pids, events_of,
-                      history_file, launch_command, metrics_of, read_trace, resume_file, run_args, slowed_env, status_of,
-                      trace_of, train, with_loader_workers)
+from conftest import (REPO, TINY_MODEL, assert_each_sample_once, assert_states_equal, events_of, history_file,
+                      metrics_of, resume_file, run_args, sigterm_two_ranks_then_resume, status_of, trace_of, train)
 from model.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
 from scripts.plot_metrics import metrics_figure
 from test_dpo import write_jsonl, write_reference
@@ -175,24 +172,7 @@ def test_a_resume_on_two_then_three_then_one_rank_trains_each_prompts_group_once
 @SLOW
 def test_sigterm_saves_exits_zero_and_the_resume_trains_each_prompt_once(tmp_path, prompts):
     args = grpo_args(tmp_path, prompts, "--batch_size", "1", "--epochs", "2")
-    trace = tmp_path / "trace.jsonl"
-    launcher = subprocess.Popen(launch_command(SCRIPT, 2, [*with_loader_workers(1), *args]), cwd=tmp_path,
-                                env=slowed_env(step_delay_s=0.2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
-    deadline = time.time() + 120
-    while (not trace.exists() or len(read_trace(trace)) < 4) and time.time() < deadline:
-        time.sleep(0.2)
-    workers = child_pids(launcher.pid)
-    assert len(workers) == 2, "expected two worker processes under torchrun"
-    for pid in workers + [loader for worker in workers for loader in child_pids(worker)]:
-        os.kill(pid, signal.SIGTERM)  # as a preempted machine signals every training process
-    output, _ = launcher.communicate(timeout=120)
-    assert launcher.returncode == 0 and "(SIGTERM)" in output, output[-3000:]
-    stopped_at = resume_file(tmp_path, RUN)["global_step"]
-    assert 2 <= stopped_at < 12 and status_of(tmp_path, RUN)["status"] == "stopped"
-    train(SCRIPT, 2, [*args, "--from_resume", "1"], tmp_path)
-    assert events_of(tmp_path, RUN) == [("resume", stopped_at)] and status_of(tmp_path, RUN)["status"] == "completed"
-    assert_each_sample_once(trace_of(tmp_path), num_samples=11, epochs=2)
+    sigterm_two_ranks_then_resume(SCRIPT, RUN, args, tmp_path)
 
 
 def test_a_reward_that_fails_mid_run_is_one_line_exit_2_and_the_last_checkpoint_stays(tmp_path, prompts, monkeypatch,
