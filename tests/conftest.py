@@ -26,6 +26,9 @@ from trainer.hardening.checkpoint_io import RunFiles
 
 REPO = Path(__file__).resolve().parent.parent
 FAULT_INJECTION_DIR = REPO / "tests" / "fault_injection"
+# The project's own Python files: the folders of the layout and the top-level modules, never a venv made in the
+# clone (the README's install line puts one at .venv) nor a tool's cache.
+PROJECT_FOLDERS = ("model", "trainer", "dataset", "scripts", "tests", "benchmarks")
 PRETRAIN_RUN = "pretrain_32"  # {save_weight}_{hidden_size} of TINY_MODEL
 
 # A model small enough that a 2-process gloo run takes seconds on 2 CPU cores.
@@ -45,6 +48,18 @@ def with_loader_workers(count: int) -> list[str]:
 def child_pids(pid: int) -> list[int]:
     """The processes `pid` started (under torchrun: its workers; under a worker: its DataLoader workers)."""
     return [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
+
+
+def project_python_files() -> list[Path]:
+    """Every .py file of this project (see PROJECT_FOLDERS)."""
+    return [*REPO.glob("*.py"), *(path for folder in PROJECT_FOLDERS for path in (REPO / folder).rglob("*.py"))]
+
+
+def our_traceback_lines(output: str) -> list[str]:
+    """The traceback frames in `output` that name a file of this project: a frame of a package in a venv made
+    inside the clone (torchrun's own traceback, from .venv/lib/.../torch) is not one."""
+    venv = f'File "{Path(sys.prefix).resolve()}'
+    return [line for line in output.splitlines() if f'File "{REPO}' in line and venv not in line]
 
 
 def child_env(**extra) -> dict:

@@ -13,6 +13,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO, child_env
 from lora_files import tiny_config, write_adapter, write_base
 
@@ -134,3 +136,22 @@ def test_the_export_commands_as_printed_write_their_files_under_out(tmp_path):
     written = {p.relative_to(tmp_path) for p in tmp_path.rglob("*")} - before
     assert written and all(p.parts[0] == "out" for p in written), sorted(map(str, written))
     assert (tmp_path / "out" / "full_sft_128.gguf").is_file() and (tmp_path / "out" / "hf_pretrain" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("readme", READMES)
+def test_each_readme_is_at_most_300_lines(readme):
+    lines = (REPO / readme).read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 300, f"{readme} has {len(lines)} lines; details belong in docs/"
+
+
+def test_ci_installs_and_tests_with_the_readmes_own_lines_in_the_venv_it_makes_which_git_ignores():
+    # .ci/run greps README.md for its venv, install and test lines: each pattern finds the line a user copies.
+    patterns = re.findall(r"readme_line '([^']+)'", (REPO / ".ci" / "run").read_text(encoding="utf-8"))
+    lines = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
+    found = [next((line for line in lines if re.search(pattern, line)), None) for pattern in patterns]
+    assert found == [lines[lines.index("```bash", lines.index("## Install")) + 1],
+                     lines[lines.index("```bash", lines.index("## Install")) + 2],
+                     lines[lines.index("```bash", lines.index("## Run the tests")) + 1]], found
+    venv = re.search(r"-m venv (\S+)", found[0]).group(1)
+    ignored = subprocess.run(["git", "check-ignore", "-q", f"{venv}/lib/site.py"], cwd=REPO)
+    assert ignored.returncode == 0, f"git does not ignore the venv the README makes at {venv}"

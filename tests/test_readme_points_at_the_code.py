@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, project_python_files
 
 READMES = ("README.md", "README_zh.md")
 PAGES = (*READMES, *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").rglob("*.md")))
@@ -35,9 +35,7 @@ def tour(readme: str) -> str:
 
 def defined_names() -> set[str]:
     names = set()
-    for path in [*REPO.glob("*.py"), *REPO.glob("*/**/*.py")]:  # top-level modules too (output_paths.py)
-        if ".git" in path.parts:
-            continue
+    for path in project_python_files():  # top-level modules too (output_paths.py); never a venv in the clone
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
                 names.add(node.name)

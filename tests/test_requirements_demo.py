@@ -20,7 +20,8 @@ from packaging.requirements import Requirement
 def name(text):
     return re.sub(r"[-_.]+", "-", text).lower()
 
-wanted = [Requirement(line.split("#")[0]) for line in open("requirements-demo.txt") if line.split("#")[0].strip()]
+# Each line stripped: packaging 26 refuses a requirement with its newline (older releases ignored it).
+wanted = [Requirement(line.split("#")[0].strip()) for line in open("requirements-demo.txt") if line.split("#")[0].strip()]
 allowed, todo = set(), [r.name for r in wanted]
 while todo:  # the requirements and, recursively, what they require (not their extras)
     dist = name(todo.pop())

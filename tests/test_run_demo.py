@@ -20,8 +20,7 @@ from conftest import REPO, child_env
 
 ORIGINAL_AFFINITY = os.sched_getaffinity(0)
 
-HINT = "faster: OMP_NUM_THREADS=1 bash scripts/run_demo.sh (one thread per process suffers least), or bash " \
-       "scripts/run_demo.sh --quick"
+HINT = "faster: OMP_NUM_THREADS=1 bash scripts/run_demo.sh --quick (one thread per process suffers least)"
 
 
 def run_demo(tmp_path, *args: str, **machine) -> subprocess.CompletedProcess:
@@ -40,7 +39,7 @@ def run_demo(tmp_path, *args: str, **machine) -> subprocess.CompletedProcess:
     ("1.00", 2, "load average 1.00, 2 cores"),  # half the cores busy with other work
     ("6.50", 8, "load average 6.50, 8 cores"),
 ])
-def test_a_busy_machine_gets_one_line_with_its_numbers_and_the_two_ways_to_go_faster(tmp_path, load, cores, says):
+def test_a_busy_machine_gets_one_line_with_its_numbers_and_both_ways_to_go_faster_together(tmp_path, load, cores, says):
     result = run_demo(tmp_path, "--check_machine", DEMO_LOADAVG=load, DEMO_CORES=cores)
     assert result.returncode == 0 and result.stderr == "", result.stderr
     assert result.stdout == f"== busy or small machine ({says}): the demo will be slow; {HINT}\n"
