@@ -32,6 +32,7 @@ for the chosen answer (what DPO training raises; trainer/train_dpo.py's validati
 
 from __future__ import annotations
 
+import json
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,12 +66,14 @@ def parse_choice_item(record: object) -> ChoiceItem:
         raise ValueError('"question" must be a non-empty string')
     if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) and c for c in choices):
         raise ValueError('"choices" must be a list of at least two non-empty strings')
+    written = answer
     if isinstance(answer, str) and len(answer.strip()) == 1 and answer.strip().upper() in LETTERS:
         answer = LETTERS.index(answer.strip().upper())
     # bool is an int in Python; "answer": true is a mistake, not index 1.
     if not isinstance(answer, int) or isinstance(answer, bool) or not 0 <= answer < len(choices):
+        # the answer as the file wrote it: "Z" of two choices, not the index 25 it was read as
         raise ValueError(f'"answer" must be an index 0..{len(choices) - 1} or a letter '
-                         f'A..{LETTERS[len(choices) - 1]} (got {answer!r})')
+                         f'A..{LETTERS[len(choices) - 1]} (got {json.dumps(written, ensure_ascii=False)})')
     return ChoiceItem(question, choices, answer)
 
 

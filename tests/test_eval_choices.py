@@ -101,13 +101,16 @@ def test_answer_as_a_letter_is_the_same_item_as_its_index(tmp_path):
 @pytest.mark.parametrize("line, complaint", [
     ('{"question": "q?", "choices": ["x", "y"], "answer": 2}', '"answer" must be an index 0..1 or a letter A..B'),
     ('{"question": "q?", "choices": ["x", "y"], "answer": "C"}', '"answer" must be an index 0..1'),
-    ('{"question": "q?", "choices": ["x", "y"], "answer": true}', '"answer" must be an index'),
+    # the letter as written, not the index it stands for (before: "got 25")
+    ('{"question": "q?", "choices": ["x", "y"], "answer": "Z"}', 'letter A..B (got "Z")'),
+    ('{"question": "q?", "choices": ["x", "y"], "answer": true}', '"answer" must be an index 0..1 or a letter A..B '
+                                                                  '(got true)'),
     ('{"question": "q?", "choices": ["x"], "answer": 0}', '"choices" must be a list of at least two'),
     ('{"question": "q?", "choices": ["x", ""], "answer": 0}', '"choices" must be a list of at least two non-empty'),
     ('{"question": " ", "choices": ["x", "y"], "answer": 0}', '"question" must be a non-empty string'),
     ('["q?", ["x", "y"], 0]', "expected a JSON object, got list"),
     ('{"question": "q?", "choices": ["x", "y"], "answer": 0', "Expecting ','"),
-], ids=["index-too-big", "letter-too-big", "bool", "one-choice", "empty-choice", "blank-question", "not-an-object",
+], ids=["index-too-big", "letter-too-big", "letter-z", "bool", "one-choice", "empty-choice", "blank-question", "not-an-object",
         "broken-json"])
 def test_a_bad_line_exits_2_with_one_line_naming_file_and_line(tmp_path, capsys, line, complaint):
     path = tmp_path / "items.jsonl"
