@@ -101,21 +101,37 @@ def encode_pair(encode: Callable[[str], list[int]], context: str, continuation: 
 
 
 def choice_loglikelihoods(model: torch.nn.Module, encode: Callable[[str], list[int]], items: list[ChoiceItem],
-                          max_length: int, batch_size: int = 16, pad_id: int = 0,
-                          progress: bool = True) -> list[list[float]]:
+                          max_length: int, batch_size: int = 16, pad_id: int = 0, progress: bool = True,
+                          max_chars: int | None = None, log: Callable[[str], None] | None = None) -> list[list[float]]:
     """For each item, the summed log-probability of each choice's tokens given the question.
 
     `model(ids).logits` is the model's output, ours or a transformers one; `encode` is its
-    tokenizer; `max_length` its context length (longer texts lose tokens at the left, as in lm-eval).
+    tokenizer; `max_length` the tokens it reads (the length it was trained at): longer texts lose
+    tokens at the left, as in lm-eval, and `log` gets one line counting the items cut. `max_chars`
+    (model/tokenizer.chars_for_tokens(max_length + 1)): a question is cut at the left to that many
+    characters before it is tokenized, so a question of megabytes costs no more than one that fills
+    the model. A choice longer than the model reads raises ValueError naming the item.
     """
     requests = []  # (item index, choice index, input ids, number of continuation tokens)
+    cut = set()  # the items whose question lost tokens at the left
     for i, item in enumerate(items):
+        question = item.question if max_chars is None else item.question[-max_chars:]
         for j, choice in enumerate(item.choices):
-            context_ids, choice_ids = encode_pair(encode, item.question, TARGET_DELIMITER + choice)
+            # a choice of more characters than max_chars has more tokens than max_length: refused untokenized
+            too_long = max_chars is not None and len(choice) > max_chars
+            context_ids, choice_ids = ([], []) if too_long else encode_pair(encode, question, TARGET_DELIMITER + choice)
+            if too_long or len(choice_ids) > max_length:
+                raise ValueError(f"item {i + 1}, choice {j + 1}: {len(choice)} characters, more tokens than the "
+                                 f"{max_length} the model reads with the question; shorten the choice")
             # The model predicts token t from the tokens before it: the input is the text less its
             # last token, and the last len(choice_ids) outputs score the choice's tokens.
             ids = (context_ids + choice_ids)[-(max_length + 1):][:-1]
+            if len(context_ids) + len(choice_ids) > max_length + 1:
+                cut.add(i)
             requests.append((i, j, ids, choice_ids))
+    if cut and log is not None:
+        log(f"note: {len(cut)} of {len(items)} items are longer than the {max_length} tokens the model reads: each "
+            f"question lost its start (cut at the left, as lm-eval cuts)")
     # Longest first: a batch pads to its first (longest) text, and a too-large batch fails at once.
     requests.sort(key=lambda r: -len(r[2]))
     scores = [[0.0] * len(item.choices) for item in items]
