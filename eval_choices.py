@@ -32,6 +32,7 @@ for the chosen answer (what DPO training raises; trainer/train_dpo.py's validati
 
 from __future__ import annotations
 
+import json
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,12 +66,14 @@ def parse_choice_item(record: object) -> ChoiceItem:
         raise ValueError('"question" must be a non-empty string')
     if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) and c for c in choices):
         raise ValueError('"choices" must be a list of at least two non-empty strings')
+    written = answer
     if isinstance(answer, str) and len(answer.strip()) == 1 and answer.strip().upper() in LETTERS:
         answer = LETTERS.index(answer.strip().upper())
     # bool is an int in Python; "answer": true is a mistake, not index 1.
     if not isinstance(answer, int) or isinstance(answer, bool) or not 0 <= answer < len(choices):
+        # the answer as the file wrote it: "Z" of two choices, not the index 25 it was read as
         raise ValueError(f'"answer" must be an index 0..{len(choices) - 1} or a letter '
-                         f'A..{LETTERS[len(choices) - 1]} (got {answer!r})')
+                         f'A..{LETTERS[len(choices) - 1]} (got {json.dumps(written, ensure_ascii=False)})')
     return ChoiceItem(question, choices, answer)
 
 
@@ -98,21 +101,37 @@ def encode_pair(encode: Callable[[str], list[int]], context: str, continuation: 
 
 
 def choice_loglikelihoods(model: torch.nn.Module, encode: Callable[[str], list[int]], items: list[ChoiceItem],
-                          max_length: int, batch_size: int = 16, pad_id: int = 0,
-                          progress: bool = True) -> list[list[float]]:
+                          max_length: int, batch_size: int = 16, pad_id: int = 0, progress: bool = True,
+                          max_chars: int | None = None, log: Callable[[str], None] | None = None) -> list[list[float]]:
     """For each item, the summed log-probability of each choice's tokens given the question.
 
     `model(ids).logits` is the model's output, ours or a transformers one; `encode` is its
-    tokenizer; `max_length` its context length (longer texts lose tokens at the left, as in lm-eval).
+    tokenizer; `max_length` the tokens it reads (the length it was trained at): longer texts lose
+    tokens at the left, as in lm-eval, and `log` gets one line counting the items cut. `max_chars`
+    (model/tokenizer.chars_for_tokens(max_length + 1)): a question is cut at the left to that many
+    characters before it is tokenized, so a question of megabytes costs no more than one that fills
+    the model. A choice longer than the model reads raises ValueError naming the item.
     """
     requests = []  # (item index, choice index, input ids, number of continuation tokens)
+    cut = set()  # the items whose question lost tokens at the left
     for i, item in enumerate(items):
+        question = item.question if max_chars is None else item.question[-max_chars:]
         for j, choice in enumerate(item.choices):
-            context_ids, choice_ids = encode_pair(encode, item.question, TARGET_DELIMITER + choice)
+            # a choice of more characters than max_chars has more tokens than max_length: refused untokenized
+            too_long = max_chars is not None and len(choice) > max_chars
+            context_ids, choice_ids = ([], []) if too_long else encode_pair(encode, question, TARGET_DELIMITER + choice)
+            if too_long or len(choice_ids) > max_length:
+                raise ValueError(f"item {i + 1}, choice {j + 1}: {len(choice)} characters, more tokens than the "
+                                 f"{max_length} the model reads with the question; shorten the choice")
             # The model predicts token t from the tokens before it: the input is the text less its
             # last token, and the last len(choice_ids) outputs score the choice's tokens.
             ids = (context_ids + choice_ids)[-(max_length + 1):][:-1]
+            if len(context_ids) + len(choice_ids) > max_length + 1:
+                cut.add(i)
             requests.append((i, j, ids, choice_ids))
+    if cut and log is not None:
+        log(f"note: {len(cut)} of {len(items)} items are longer than the {max_length} tokens the model reads: each "
+            f"question lost its start (cut at the left, as lm-eval cuts)")
     # Longest first: a batch pads to its first (longest) text, and a too-large batch fails at once.
     requests.sort(key=lambda r: -len(r[2]))
     scores = [[0.0] * len(item.choices) for item in items]

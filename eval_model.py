@@ -28,6 +28,9 @@ The eval file uses the SFT format; the last message of each conversation must be
 reference answer. Everything before it is the prompt, rendered by dataset/chat_format.py exactly as
 in training; the model's answer is what it writes after its <think>...</think> block.
 
+--mc_data and --eval read a text up to the length the model was trained at (out/{weight}.json, which training
+writes beside the weights): a longer question or prompt keeps its end, as lm-eval cuts, and a line counts them.
+
 --bpb_data scores a file as the trainer's validation does (trainer/hardening/tracking.py): {"text": ...}
 lines as pretraining reads them, {"conversations": ...} lines as SFT does (the loss on the answers).
 Bits per byte, unlike the loss per token, compare models with different tokenizers.
@@ -56,7 +59,8 @@ from eval_choices import choice_loglikelihoods, format_choice_scores, format_pai
 from model.weights import load_project_weights
 from model.lora import load_lora, note_if_another_base
 from model.model import CausalLM
-from model.tokenizer import BOS_ID, EOS_ID, load_tokenizer
+from model.tokenizer import BOS_ID, EOS_ID, chars_for_tokens, load_tokenizer, text_end_for_tokens
+from trainer.hardening.checkpoint_io import trained_length
 from trainer.hardening.tracking import Validation, validation_loss
 from trainer.trainer_utils import REPO_ROOT
 
@@ -109,6 +113,19 @@ def load_model(args: argparse.Namespace, tokenizer: Tokenizer, device: torch.dev
     # FP16 is what the file stores and halves GPU memory; the CPU computes in FP32 (FP16 there is slow).
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     return model.to(device=device, dtype=dtype).eval()
+
+
+def trained_context(args: argparse.Namespace, model: CausalLM, log: Callable[[str], None]) -> int:
+    """The tokens of text the model reads: the max_seq_len it was trained at (out/{weight}.json, which training
+    writes beside the weights, as scripts/serve_openai_api.py reads it); where no .json tells (minimind's
+    weights), its positions, said to `log` in one line. RuntimeError for a .json without a length."""
+    path = find_weight_file(Path(args.save_dir), args.weight, args.hidden_size, args.use_moe)
+    trained = trained_length(path)
+    if trained is None:
+        log(f"note: no {path.with_suffix('.json').name} beside the weights tells the length the model was trained "
+            f"at: texts are cut at its {model.config.max_position_embeddings} positions")
+        return model.config.max_position_embeddings
+    return trained
 
 
 def find_weight_file(save_dir: Path, weight: str, hidden_size: int | None, use_moe: int | None) -> Path:
@@ -175,6 +192,16 @@ def answer_from_generation(text: str) -> str:
     return text
 
 
+def chat_prompt_ids_within(tokenizer: Tokenizer, messages: list[dict], max_tokens: int) -> tuple[list[int], bool]:
+    """chat_prompt_ids of `messages`, cut at the left to its last `max_tokens` (as lm-eval cuts a context), and
+    whether it was cut. Each text is first cut at the left to what those tokens need (model/tokenizer.py's
+    text_end_for_tokens), so a question of megabytes is not tokenized whole; the ids kept are the same."""
+    short = [{key: text_end_for_tokens(value, max_tokens, tokenizer) if key in ("content", "reasoning_content")
+              and isinstance(value, str) else value for key, value in message.items()} for message in messages]
+    ids = chat_prompt_ids(tokenizer, short)
+    return ids[-max_tokens:], len(ids) > max_tokens
+
+
 def raw_prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
     """BOS + text, as PretrainDataset starts every sample: what a pretrained model knows how to continue."""
     return [BOS_ID] + tokenizer.encode(text).ids
@@ -199,18 +226,29 @@ def split_eval_record(record: dict) -> tuple[list[dict], str]:
 
 
 def evaluate_exact_match(model: CausalLM, tokenizer: Tokenizer, records: list[dict], max_new_tokens: int = 64,
-                         log: Callable[[str], None] | None = None) -> tuple[int, int]:
-    """Greedy-answer every record; returns (correct, total). `log` receives one line per mistake."""
-    correct = 0
+                         log: Callable[[str], None] | None = None, max_prompt_tokens: int | None = None,
+                         note: Callable[[str], None] | None = None) -> tuple[int, int]:
+    """Greedy-answer every record; returns (correct, total). `log` receives one line per mistake. With
+    `max_prompt_tokens` (the length the model was trained at), a longer prompt keeps its last tokens, and
+    `note` receives one line counting such records."""
+    correct, cut = 0, 0
     for n, record in enumerate(records, start=1):
         messages, reference = split_eval_record(record)
-        generated = generate_text(model, tokenizer, chat_prompt_ids(tokenizer, messages), max_new_tokens)
+        if max_prompt_tokens is None:
+            prompt_ids = chat_prompt_ids(tokenizer, messages)
+        else:
+            prompt_ids, was_cut = chat_prompt_ids_within(tokenizer, messages, max_prompt_tokens)
+            cut += was_cut
+        generated = generate_text(model, tokenizer, prompt_ids, max_new_tokens)
         if answers_match(generated, reference):
             correct += 1
         elif log is not None:
             question = messages[-1]["content"] if messages else ""
             answer = answer_from_generation(generated).strip()
             log(f"#{n}: {question!r} -> got {answer!r}, expected {reference.strip()!r}")
+    if cut and note is not None:
+        note(f"note: {cut} of {len(records)} prompts are longer than the {max_prompt_tokens} tokens the model was "
+             f"trained at: each lost its start (cut at the left, as lm-eval cuts)")
     return correct, len(records)
 
 
@@ -258,16 +296,19 @@ def evaluate_choices(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     try:
         items = read_choice_items(args.mc_data)  # a bad line is reported before a model is loaded
-        if args.hf_model:
+        if args.hf_model:  # its folder does not record the length it was trained at: its positions are read
             model, encode = load_hf_model(args.hf_model, device)
+            max_length, max_chars = model.config.max_position_embeddings, None
         else:
             tokenizer = load_tokenizer(args.tokenizer_path)
             model = load_model(args, tokenizer, device, log=lambda line: print(line, file=sys.stderr))
             encode = lambda text: tokenizer.encode(text).ids  # noqa: E731 (adds no special token, as the export's)
-    except (FileNotFoundError, RuntimeError, ValueError) as error:
+            max_length = trained_context(args, model, log=lambda line: print(line, file=sys.stderr))
+            max_chars = chars_for_tokens(max_length + 1, tokenizer)  # what the max_length + 1 tokens scored need
+        lls = choice_loglikelihoods(model, encode, items, max_length, args.batch_size, max_chars=max_chars, log=print)
+    except (FileNotFoundError, RuntimeError, ValueError) as error:  # a choice too long for the model: ValueError
         print(f"error: {error}", file=sys.stderr)
         return 2
-    lls = choice_loglikelihoods(model, encode, items, model.config.max_position_embeddings, args.batch_size)
     if args.verbose:
         for n, (item, item_lls) in enumerate(zip(items, lls), start=1):
             print(f"#{n}: answer {item.answer}, picked {picks(item, item_lls)}, log-likelihoods "
@@ -392,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # On stderr: stdout carries only the answers (a --prompt answer may be piped on).
         model = load_model(args, tokenizer, torch.device(args.device), log=lambda line: print(line, file=sys.stderr))
+        if args.eval:  # a longer prompt is cut to it
+            max_prompt_tokens = trained_context(args, model, log=lambda line: print(line, file=sys.stderr))
     except (FileNotFoundError, RuntimeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2  # an expected error exits 2, as in the training scripts
@@ -408,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
         if raw_text:
             print("note: --weight pretrain was not trained on chat; expect a low exact-match score", flush=True)
         correct, total = evaluate_exact_match(model, tokenizer, records, args.max_new_tokens,
-                                              log=print if args.verbose else None)
+                                              log=print if args.verbose else None,
+                                              max_prompt_tokens=max_prompt_tokens, note=print)
         print(format_accuracy(correct, total), flush=True)
     elif args.prompt is not None:
         if raw_text:

@@ -87,7 +87,7 @@ class JsonlFile:
         if not stat.S_ISREG(indexed.st_mode):  # opening a FIFO would wait for a writer, a folder has no lines
             raise DataFileError(f"{self.path} is {kind_of_file(indexed.st_mode)}, not a data file: give the path "
                                 f"of a JSONL file")
-        self.file_size, self.mtime_ns = indexed.st_size, indexed.st_mtime_ns
+        self.file_size, self.mtime_ns, self.ctime_ns = indexed.st_size, indexed.st_mtime_ns, indexed.st_ctime_ns
         self._offsets, self._line_numbers, self.sha256 = self._build_index(validate)
         self._handle = None
         self._pid: int | None = None
@@ -109,14 +109,14 @@ class JsonlFile:
 
     @classmethod
     def from_index(cls, path: str | os.PathLike, file_size: int, offsets: np.ndarray,
-                   line_numbers: np.ndarray, sha256: str, validate: Validator | None = None,
-                   mtime_ns: int | None = None) -> JsonlFile:
+                   line_numbers: np.ndarray, sha256: str, validate: Validator | None = None) -> JsonlFile:
         """A JsonlFile over an index built elsewhere (by rank 0), without reading the file. `validate`:
-        the check its records passed, run again on each read; `mtime_ns`: this process's view of the
-        file's modification time as indexed (default: now; a copy of the file on another node has its own)."""
+        the check its records passed, run again on each read. The file's times are this process's view of
+        it now (a copy of the file on another node has its own)."""
         source = cls.__new__(cls)
         source.path, source.file_size, source.sha256, source.validate = str(path), int(file_size), sha256, validate
-        source.mtime_ns = os.stat(path).st_mtime_ns if mtime_ns is None else int(mtime_ns)
+        now = os.stat(path)
+        source.mtime_ns, source.ctime_ns = now.st_mtime_ns, now.st_ctime_ns
         source._offsets = np.ascontiguousarray(offsets, dtype=np.int64)
         source._line_numbers = np.ascontiguousarray(line_numbers, dtype=np.int64)
         source._handle, source._pid = None, None
@@ -145,7 +145,7 @@ class JsonlFile:
 
     def raw_line(self, i: int) -> bytes:
         """The bytes of record ``i`` as stored, without the trailing newline; DataFileError if the file
-        is not the one indexed any more (its size or time changed, or the bytes there are not that line)."""
+        is not the one indexed any more (its size or times changed, or the bytes there are not that line)."""
         # A handle opened by a parent process shares its file position with the
         # children after fork (DataLoader workers), so each process opens its own.
         if self._handle is None or self._pid != os.getpid():
@@ -284,12 +284,19 @@ class JsonlFile:
         if stat.st_mtime_ns != self.mtime_ns:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stat.st_mtime))
             return f"it was modified at {when}, keeping its size"
+        # The change time: the kernel sets it at every write and at every setting of the modification time, and
+        # no user can set it back, so an edit in place whose time was put back (`touch -r`, os.utime) shows here.
+        # (A chmod or chown sets it too: the file is then read afresh by a resume, which compares its hash.)
+        if stat.st_ctime_ns != self.ctime_ns:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stat.st_ctime))
+            return f"its inode changed at {when}, keeping its size and modification time: an edit whose time was " \
+                   f"put back, or a change of owner or mode"
         return None
 
     def _changed_in_place(self, i: int, problem: str) -> DataFileError:
         """Record `i` does not read as indexed: say how the file changed (a stat confirms it)."""
         try:
-            change = self._change_since_indexed(os.stat(self.path)) or "its size and time are as they were"
+            change = self._change_since_indexed(os.stat(self.path)) or "its size and times are as they were"
         except OSError as error:
             change = f"it cannot be read any more: {error.strerror}"
         return self._changed(f"line {self.line_number(i)} {problem}; {change}")

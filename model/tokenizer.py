@@ -84,8 +84,21 @@ def text_for_tokens(text: str, max_tokens: int, tokenizer: Tokenizer) -> str:
     than the longest), so what a caller appends after the text (EOS) is cut away as it was. A text shorter
     than that is returned as it is: every line a dataset meets in practice gives exactly the ids it gave before.
     """
-    keep = 2 * max_tokens * longest_token_chars(tokenizer) + CUT_MARGIN_CHARS
+    keep = chars_for_tokens(max_tokens, tokenizer)
     return text if len(text) <= keep else text[:keep]
+
+
+def chars_for_tokens(max_tokens: int, tokenizer: Tokenizer) -> int:
+    """How many characters text_for_tokens keeps (why: its docstring)."""
+    return 2 * max_tokens * longest_token_chars(tokenizer) + CUT_MARGIN_CHARS
+
+
+def text_end_for_tokens(text: str, max_tokens: int, tokenizer: Tokenizer) -> str:
+    """`text`, or as much of its end as its last `max_tokens` tokens need: text_for_tokens from the other end,
+    for a text cut at the left (a multiple-choice question, an eval prompt, as lm-eval cuts a context). The
+    same length is kept, for the same reason: a cut changes only the tokens of the word it falls in."""
+    keep = chars_for_tokens(max_tokens, tokenizer)
+    return text if len(text) <= keep else text[len(text) - keep:]
 
 
 @functools.lru_cache(maxsize=4)

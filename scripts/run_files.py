@@ -29,10 +29,17 @@ def read_status(path: str | Path) -> dict:
     """The status object (a NaN or inf in it, written as text, back as a float); the file is replaced
     atomically, so a read never sees half of it.
 
-    Raises ValueError naming the file and the missing fields if it lacks any of STATUS_FIELDS
+    Raises ValueError naming the file and what is wrong: not a JSON object, or without some of STATUS_FIELDS
     (a file written by an older version of the trainer, or not by the trainer at all).
     """
-    status = read_json(Path(path).read_text(encoding="utf-8"))
+    try:
+        status = read_json(Path(path).read_text(encoding="utf-8"))
+    except ValueError as error:  # not JSON, or not UTF-8: the error alone would not say which file
+        raise ValueError(f"{path}: not a status file of this trainer, it is not JSON ({error}). Rerun (or resume) "
+                         f"the run to rewrite it, or move it out of the way.") from None
+    if not isinstance(status, dict):  # `"job_id" in status` would look in a list or a string
+        raise ValueError(f"{path}: not a status file of this trainer, it holds a JSON {type(status).__name__}, "
+                         f"not an object. Rerun (or resume) the run to rewrite it, or move it out of the way.")
     missing = [name for name in STATUS_FIELDS if name not in status]
     if missing:
         raise ValueError(f"{path}: not a status file of this trainer, missing {', '.join(missing)}. "

@@ -41,7 +41,7 @@ import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tokenizers import Tokenizer
 
 from dataset.json_text import parse_json_text
@@ -53,6 +53,10 @@ from trainer.hardening.checkpoint_io import trained_length
 
 class ChatRequest(BaseModel):
     """The fields of OpenAI's chat request read here; others ("model", "stop", ...) are ignored."""
+    # Strict, as OpenAI's API is: "max_tokens": "5", "stream": "yes" or "temperature": "0.5" get a 400 naming
+    # the field rather than a guess at what was meant; bool is no int ("max_tokens": true); a float field
+    # takes a whole number ("temperature": 1).
+    model_config = ConfigDict(strict=True)
     messages: list[dict] = Field(min_length=1)  # each checked by dataset/chat_format.py as the prompt is built
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(0.0, ge=0.0, le=2.0)  # 0 = greedy, as in eval_model.py (and under 1e-5)

@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         while True:
             try:
                 status = read_status(status_path(args.metrics_dir, name))
-            except ValueError as error:  # not this trainer's status file: say which file and what is missing
+            except (OSError, ValueError) as error:  # unreadable, or not this trainer's status file: which file, what is wrong
                 print(f"error: {error}", file=sys.stderr)
                 return 1
             summary = note + render_summary(status, read_metrics(metrics_path(args.metrics_dir, name)))

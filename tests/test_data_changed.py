@@ -1,8 +1,8 @@
 """A data file changed under a running trainer (dataset/jsonl_file.py).
 
 The index of line offsets is only true of the file it was built from. A record read at training time
-that no longer matches (the file's size or time changed, the bytes at an offset are not that whole
-line, or they no longer parse) ends the run with one line naming the file and what to do, exit 2,
+that no longer matches (the file's size, modification time or change time changed, the bytes at an offset
+are not that whole line, or they no longer parse) ends the run with one line naming the file and what to do, exit 2,
 from a DataLoader worker (--num_workers 1, the default) as from the main process; the checkpoints
 saved before the change stay intact, and a resume over the restored file goes on.
 """
@@ -26,11 +26,18 @@ def same_length_edit(data: Path) -> None:
     data.write_bytes(data.read_bytes().replace(b'"text"', b'"texx"'))
 
 
+def valid_edit_with_its_time_put_back(data: Path) -> None:
+    """Every "o" of the texts becomes "0" in place, and the modification time is put back (as `touch -r` does):
+    every record still reads and validates, where it was, so only the change time tells."""
+    rewrite_keeping_time(data, data.read_bytes().replace(b"o", b"0"))
+
+
 def truncate(data: Path) -> None:
     os.truncate(data, data.stat().st_size // 2)
 
 
-@pytest.mark.parametrize("change", [same_length_edit, truncate], ids=["same_length_edit", "truncation"])
+@pytest.mark.parametrize("change", [same_length_edit, valid_edit_with_its_time_put_back, truncate],
+                         ids=["same_length_edit", "edit_with_its_time_put_back", "truncation"])
 def test_data_changed_mid_run_exits_2_in_one_line_and_keeps_the_checkpoints(tmp_path, pretrain_data, change):
     original = pretrain_data.read_bytes()
     args = run_args(tmp_path, pretrain_data, "--batch_size", "2", "--epochs", "2", "--save_interval", "2",
@@ -67,12 +74,30 @@ def indexed(tmp_path, pretrain_data) -> tuple[JsonlFile, Path]:
 
 
 def rewrite_keeping_time(path: Path, data: bytes) -> None:
-    """Change the bytes but not the size or the modification time: only what is read can tell."""
+    """Change the bytes but not the size or the modification time (the change time moves: no user can set it)."""
     before = path.stat()
     assert len(data) == before.st_size
     with open(path, "r+b") as f:
         f.write(data)
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+def test_an_edit_in_place_with_its_time_put_back_is_found_by_the_change_time(indexed):
+    source, path = indexed
+    first = source.read(0)  # the file is open, as in a DataLoader worker mid-epoch
+    valid_edit_with_its_time_put_back(path)
+    assert JsonlFile(path, validate=lambda record: None).read(0) != first  # it reads, and reads otherwise
+    with pytest.raises(DataFileError) as error:
+        source.read(0)
+    assert str(error.value).startswith(f"{path} changed since this run indexed it (its inode changed at "), error.value
+    assert "keeping its size and modification time: an edit whose time was put back" in str(error.value)
+
+
+def seen_after_the_edit(source: JsonlFile) -> JsonlFile:
+    """The same index on a rank that took its view of the file's times after the edit (another node's copy,
+    looked at once rank 0's index arrived): there only what is read can tell."""
+    return JsonlFile.from_index(source.path, source.file_size, source.offsets, source.line_numbers, source.sha256,
+                                source.validate)
 
 
 def test_a_line_moved_within_the_same_size_and_time_is_found_by_what_is_read(indexed):
@@ -81,18 +106,20 @@ def test_a_line_moved_within_the_same_size_and_time_is_found_by_what_is_read(ind
     end_of_line_3 = source.offsets[3] - 1  # the newline that ends line 3
     data[end_of_line_3], data[end_of_line_3 + 5] = ord(" "), ord("\n")  # line 3 gets longer, line 4 shorter
     rewrite_keeping_time(path, bytes(data))
+    source = seen_after_the_edit(source)
     assert source.read(1) == source.read(1)  # untouched lines still read
     for record, problem in ((2, "line 3 is not where the index put it"), (3, "line 4 is not where the index put it")):
         with pytest.raises(DataFileError) as error:
             source.read(record)
         assert str(error.value).startswith(f"{path} changed since this run indexed it ({problem}; its size and "
-                                           f"time are as they were)")
+                                           f"times are as they were)")
 
 
 def test_a_record_that_no_longer_parses_is_reported_as_changed_not_as_invalid_json(indexed):
     source, path = indexed
     data = path.read_bytes()
     rewrite_keeping_time(path, data[:source.offsets[5]] + b"[" + data[source.offsets[5] + 1:])
+    source = seen_after_the_edit(source)
     with pytest.raises(DataFileError, match=r"changed since this run indexed it \(line 6 no longer parses"):
         source.read(5)
 

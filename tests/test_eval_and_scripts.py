@@ -163,6 +163,35 @@ def test_eval_file_scores_a_model_that_learned_its_questions_and_counts_a_wrong_
                           "exact-match accuracy: 4/5 = 80.0%"]
 
 
+def test_eval_cuts_a_prompt_of_megabytes_at_the_trained_length_and_counts_it(tmp_path, capsys):
+    """Before: the 6 MB prompt was tokenized whole and handed to the model: a traceback, "6000008 positions
+    exceed max_position_embeddings"."""
+    from lora_files import tiny_config, write_base
+
+    write_base(tmp_path, tiny_config())
+    (tmp_path / "full_sft_32.json").write_text('{"max_seq_len": 48}')  # as training writes it beside the weights
+    tokenizer = load_tokenizer()
+    question = "The sky is blue today. " * 270_000 + "What is 2+3?"  # 6.2 MB
+    records = [{"conversations": [{"role": "user", "content": text}, {"role": "assistant", "content": "5"}]}
+               for text in ("What is 2+3?", question, "What is 3+4?")]
+    eval_file = tmp_path / "eval.jsonl"
+    eval_file.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    assert eval_model.main(["--weight", "full_sft", "--save_dir", str(tmp_path), "--device", "cpu",
+                            "--eval", str(eval_file), "--max_new_tokens", "2"]) == 0
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.out + captured.err
+    assert "note: 1 of 3 prompts are longer than the 48 tokens the model was trained at: each lost its start" \
+        in captured.out, captured.out
+    assert "exact-match accuracy: " in captured.out
+    # Its texts were cut before the prompt was tokenized, and the ids kept are those of the whole prompt.
+    messages = [{"role": "user", "content": "Once upon a time 木 " * 10_000 + "What is 2+3?"}]
+    whole = eval_model.chat_prompt_ids(tokenizer, messages)
+    assert eval_model.chat_prompt_ids_within(tokenizer, messages, 48) == (whole[-48:], True)
+    short = [{"role": "user", "content": "What is 2+3?"}]
+    assert eval_model.chat_prompt_ids_within(tokenizer, short, 48) == (eval_model.chat_prompt_ids(tokenizer, short),
+                                                                       False)
+
+
 def test_interactive_loop_keeps_going_until_an_empty_line(runs, monkeypatch, capsys):
     shutil.copy(runs["a"] / "out" / "pretrain_32.pth", runs["a"] / "out" / "full_sft_32.pth")
     stdin = io.StringIO("hello\n/reset\nhi again\n\nnever read\n")

@@ -29,7 +29,7 @@ from conftest import REPO, child_env  # noqa: E402
 from eval_choices import (TARGET_DELIMITER, ChoiceItem, choice_loglikelihoods, encode_pair, load_hf_model,  # noqa: E402
                           picks, read_choice_items, score_choices)
 from model.model import CausalLM, LMConfig  # noqa: E402
-from model.tokenizer import load_tokenizer  # noqa: E402
+from model.tokenizer import chars_for_tokens, load_tokenizer  # noqa: E402
 from scripts import export_hf  # noqa: E402
 
 # English and Chinese, 2 to 4 choices; contexts ending in ":", "：", "\n" and a space (the space
@@ -101,13 +101,16 @@ def test_answer_as_a_letter_is_the_same_item_as_its_index(tmp_path):
 @pytest.mark.parametrize("line, complaint", [
     ('{"question": "q?", "choices": ["x", "y"], "answer": 2}', '"answer" must be an index 0..1 or a letter A..B'),
     ('{"question": "q?", "choices": ["x", "y"], "answer": "C"}', '"answer" must be an index 0..1'),
-    ('{"question": "q?", "choices": ["x", "y"], "answer": true}', '"answer" must be an index'),
+    # the letter as written, not the index it stands for (before: "got 25")
+    ('{"question": "q?", "choices": ["x", "y"], "answer": "Z"}', 'letter A..B (got "Z")'),
+    ('{"question": "q?", "choices": ["x", "y"], "answer": true}', '"answer" must be an index 0..1 or a letter A..B '
+                                                                  '(got true)'),
     ('{"question": "q?", "choices": ["x"], "answer": 0}', '"choices" must be a list of at least two'),
     ('{"question": "q?", "choices": ["x", ""], "answer": 0}', '"choices" must be a list of at least two non-empty'),
     ('{"question": " ", "choices": ["x", "y"], "answer": 0}', '"question" must be a non-empty string'),
     ('["q?", ["x", "y"], 0]', "expected a JSON object, got list"),
     ('{"question": "q?", "choices": ["x", "y"], "answer": 0', "Expecting ','"),
-], ids=["index-too-big", "letter-too-big", "bool", "one-choice", "empty-choice", "blank-question", "not-an-object",
+], ids=["index-too-big", "letter-too-big", "letter-z", "bool", "one-choice", "empty-choice", "blank-question", "not-an-object",
         "broken-json"])
 def test_a_bad_line_exits_2_with_one_line_naming_file_and_line(tmp_path, capsys, line, complaint):
     path = tmp_path / "items.jsonl"
@@ -118,6 +121,52 @@ def test_a_bad_line_exits_2_with_one_line_naming_file_and_line(tmp_path, capsys,
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith(f"error: {path}, line 3: ") and complaint in err
     assert err.endswith("Fix or delete this line, then start again.")  # as every data file's (dataset/jsonl_file.py)
+
+
+# ---- a question longer than the model reads ------------------------------------------------------
+
+def test_a_question_of_megabytes_is_cut_at_the_trained_length_and_counted(tiny, tmp_path, capsys):
+    """Before: cut at the model's 32,768 positions, not at the length it was trained at, and tokenized whole:
+    a 6 MB question among five items took 123 s."""
+    out = tmp_path / "out"
+    out.mkdir()
+    shutil.copy(tiny["out"] / "pretrain_64.pth", out)
+    (out / "pretrain_64.json").write_text('{"max_seq_len": 48}')  # as training writes it beside the weights
+    long = dict(ITEMS[0], question="The sky is blue today. " * 270_000 + ITEMS[0]["question"])  # 6.2 MB
+    path = tmp_path / "items.jsonl"
+    path.write_text("".join(json.dumps(item, ensure_ascii=False) + "\n" for item in [*ITEMS[1:3], long, *ITEMS[3:5]]),
+                    encoding="utf-8")
+    started = time.monotonic()
+    assert eval_model.main(["--mc_data", str(path), "--weight", "pretrain", "--save_dir", str(out),
+                            "--device", "cpu"]) == 0
+    took = time.monotonic() - started
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.out + captured.err
+    assert "note: 1 of 5 items are longer than the 48 tokens the model reads: each question lost its start" \
+        in captured.out, captured.out
+    assert "multiple choice, 5 items" in captured.out
+    assert took < 60, took  # a few seconds, most of it reading the 6 MB line; before: 123 s
+
+
+def test_a_question_cut_before_it_is_tokenized_scores_as_the_whole_question(tiny):
+    args = eval_model.build_arg_parser().parse_args(["--weight", "pretrain", "--save_dir", str(tiny["out"]),
+                                                     "--device", "cpu"])
+    tokenizer = load_tokenizer(args.tokenizer_path)
+    model = eval_model.load_model(args, tokenizer, torch.device("cpu"))
+    encode = lambda text: tokenizer.encode(text).ids  # noqa: E731
+    # 200 kB: long enough to be cut (chars_for_tokens(49) is about 10 kB), short enough to tokenize whole here
+    items = [ChoiceItem("Once upon a time 木 " * 10_000 + item["question"], item["choices"], item["answer"])
+             for item in ITEMS[:3]]
+    max_chars = chars_for_tokens(48 + 1, tokenizer)
+    assert all(len(item.question) > max_chars for item in items)
+    lines = []
+    cut = choice_loglikelihoods(model, encode, items, 48, progress=False, max_chars=max_chars, log=lines.append)
+    assert cut == choice_loglikelihoods(model, encode, items, 48, progress=False)  # tokenized whole: the same
+    assert lines == ["note: 3 of 3 items are longer than the 48 tokens the model reads: each question lost its start "
+                     "(cut at the left, as lm-eval cuts)"]
+    too_long = [ChoiceItem("q?", ["yes", "no " * 200], 0)]
+    with pytest.raises(ValueError, match=r"item 1, choice 2: 600 characters, more tokens than the 48 the model reads"):
+        choice_loglikelihoods(model, encode, too_long, 48, progress=False, max_chars=max_chars)
 
 
 # ---- the scorer ------------------------------------------------------------------------------

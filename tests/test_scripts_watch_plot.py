@@ -102,6 +102,17 @@ def test_watch_refuses_a_status_file_without_the_spec_fields(tmp_path):
     assert "old_status.json: not a status file of this trainer, missing job_id, status" in result.stderr
 
 
+@pytest.mark.parametrize("text, problem", [('{"job_id": "r", "status": "run', "it is not JSON (Unterminated string"),
+                                           ('["job_id", "status"]', "it holds a JSON list, not an object")],
+                         ids=["cut-short", "a-list"])
+def test_watch_names_the_file_of_a_broken_status_file(tmp_path, text, problem):
+    broken = tmp_path / "broken_status.json"
+    broken.write_text(text)
+    result = run_script("scripts.watch_run", str(tmp_path), "--once")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.startswith(f"error: {broken}: not a status file of this trainer, {problem}"), result.stderr
+
+
 def test_watch_without_run_name_shows_the_newest_run_and_names_the_others(tmp_path):
     # The demo's out/: pretraining, then SFT; a third run whose status file was written first.
     for name, written_at in (("full_sft_32", 3_000), ("pretrain_32", 2_000), ("old_64", 1_000)):

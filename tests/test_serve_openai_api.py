@@ -391,6 +391,20 @@ def test_text_that_cannot_be_read_or_tokenized_gets_a_400_in_openai_shape(tmp_pa
     assert http.post("/v1/chat/completions", json={"messages": FROG, "max_tokens": 2}).status_code == 200
 
 
+def test_fields_of_the_wrong_json_type_get_a_400_naming_the_field_as_openai_gives(tmp_path, monkeypatch):
+    """Before, pydantic's lax mode took "5" for 5, true for 1 and "yes" for true, where OpenAI's API refuses them."""
+    status, http = tiny_server(tmp_path, monkeypatch)
+    assert status == 0
+    for field, value, words in (("max_tokens", "5", "valid integer"), ("max_tokens", True, "valid integer"),
+                                ("stream", "yes", "valid boolean"), ("temperature", "0.5", "valid number")):
+        response = http.post("/v1/chat/completions", json={"messages": FROG, field: value})
+        code, param, message = openai_refusal(response)
+        assert (code, param) == (400, field) and message.startswith(f"{field}: ") and words in message, message
+    # a whole number is a number: "temperature": 1 (as OpenAI's clients may send it) is served
+    answer = http.post("/v1/chat/completions", json={"messages": FROG, "max_tokens": 2, "temperature": 1})
+    assert answer.status_code == 200, answer.text
+
+
 def test_a_body_over_max_request_bytes_gets_a_413_naming_the_limit_unread(tmp_path, monkeypatch):
     status, http = tiny_server(tmp_path, monkeypatch, "--max_request_bytes", "4000")
     assert status == 0 and http.get("/v1/models").json()["data"][0]["max_request_bytes"] == 4000

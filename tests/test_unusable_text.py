@@ -189,6 +189,9 @@ def test_a_pretraining_text_is_checked_as_it_is_read_again(tmp_path):
     source = JsonlFile(path)
     stat = path.stat()
     path.write_text('{"text": "a \\ud800 b"}\n', encoding="utf-8")
-    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # the same size and time: only the read can tell
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # the same size and modification time
+    # seen by a rank that looked at the file's times after the edit (its change time tells the others): only
+    # the read can tell
+    source = JsonlFile.from_index(path, source.file_size, source.offsets, source.line_numbers, source.sha256)
     with pytest.raises(DataFileError, match="line 1 no longer parses as a JSON object"):
         source.read(0)
