@@ -206,6 +206,16 @@ def test_the_answer_reward_strips_the_think_block_and_compares_numbers_as_number
     assert format_reward(["<think>\nhm\n</think>\n\n5", "5", "<think>\n\n</think>\n\n"], [None] * 3) == [0.5, 0, 0]
 
 
+@pytest.mark.parametrize("completion, answer, reward", [
+    ("12", "1,2", 0.0), ("35", "3,5", 0.0), ("5", ",,5,", 0.0), ("12345", "1,2345", 0.0),  # a comma not grouping 3
+    ("12345678901234567890", "12345678901234567891", 0.0),  # 20 digits: equal as floats, not as numbers
+    ("0.1", "0.10000000000000001", 0.0),  # the same float too
+    ("1234", "1,234", 1.0), ("-1234567.5", "-1,234,567.50", 1.0), ("0.5", ".5", 1.0), ("12", "+12.", 1.0),
+    ("1,2", "1,2", 1.0), ("1e3", "1000", 0.0), ("inf", "inf", 1.0), ("nan", "NaN", 0.0)])  # the last three: text
+def test_numbers_compare_exactly_and_a_comma_only_groups_three_digits(completion, answer, reward):
+    assert answer_reward([completion], [answer]) == [reward]
+
+
 def test_a_reward_that_raises_returns_nan_or_the_wrong_count_is_one_line_naming_it(monkeypatch):
     def raises(completions, answers):
         raise KeyError("score")
