@@ -84,8 +84,14 @@ def text_for_tokens(text: str, max_tokens: int, tokenizer: Tokenizer) -> str:
     than the longest), so what a caller appends after the text (EOS) is cut away as it was. A text shorter
     than that is returned as it is: every line a dataset meets in practice gives exactly the ids it gave before.
     """
-    keep = 2 * max_tokens * longest_token_chars(tokenizer) + CUT_MARGIN_CHARS
+    keep = chars_for_tokens(max_tokens, tokenizer)
     return text if len(text) <= keep else text[:keep]
+
+
+def chars_for_tokens(max_tokens: int, tokenizer: Tokenizer) -> int:
+    """How many characters text_for_tokens keeps for `max_tokens` tokens; the same holds of a text's end (a cut
+    on the left changes only the tokens near it too), which ChatEncoder.encode_end keeps."""
+    return 2 * max_tokens * longest_token_chars(tokenizer) + CUT_MARGIN_CHARS
 
 
 @functools.lru_cache(maxsize=4)

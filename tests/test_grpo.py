@@ -162,8 +162,9 @@ def test_a_prompt_is_the_conversation_before_the_last_answer_with_the_generation
     text = dataset.encoder.decode(prompt)
     assert text.startswith("user\n1+1?") and text.endswith("user\n3+4?\nassistant\n"), text  # tags hidden
     assert (dataset.answer(0), dataset.answer(1), dataset.answer(-1)) == ("7", "10", None)
-    cut = GRPODataset(data, tokenizer, 8, reward_functions("answer"))[0][0]
-    assert cut.tolist() == prompt[-8:]  # a long prompt keeps its end: the question and the header
+    room = int((dataset[1][1] != -100).sum())  # the second prompt's length: it fits, the first is cut
+    cut = GRPODataset(data, tokenizer, room, reward_functions("answer"))[0][0]
+    assert cut.tolist() == prompt[-room:] and len(prompt) > room  # a long prompt keeps its end: the question, header
 
 
 def test_a_line_without_an_answer_is_refused_for_the_answer_reward_only(tmp_path, tokenizer):
