@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 
 from dataset.json_text import unusable_text
 from model.chat_template import TAGS, TOOLS_INTRO, TOOLS_OUTRO
-from model.tokenizer import BOS_ID, BOS_TOKEN, EOS_ID, EOS_TOKEN, text_for_tokens, text_only_copy
+from model.tokenizer import BOS_ID, BOS_TOKEN, EOS_ID, EOS_TOKEN, chars_for_tokens, text_for_tokens, text_only_copy
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 _TAG_SPLIT = re.compile("(" + "|".join(re.escape(t) for t in (BOS_TOKEN, EOS_TOKEN, *TAGS)) + ")")
@@ -241,6 +241,25 @@ class ChatEncoder:
             ids += new_ids
             trained += [is_trained] * len(new_ids)
         return ids, trained
+
+    def encode_end(self, segments: list[Segment], max_tokens: int) -> list[int]:
+        """The last `max_tokens` ids of `segments`, those of encoding them whole, with only the text they need
+        tokenized (a prompt cut from the left keeps its question): the segments from the end until they hold
+        chars_for_tokens characters, the earliest of those cut to its end, the ones before it left out. The cut
+        starts at a word (a piece of the tokenizer's pre-tokenizer): a word's tokens depend on where it begins. A
+        single word longer than all that is cut inside it, and its last tokens may differ from the whole's."""
+        keep, kept = chars_for_tokens(max_tokens, self.text_tokenizer), []
+        for segment in reversed(segments):
+            if keep <= 0:
+                break
+            if len(segment.text) > keep:  # cut: what is left of a tag is plain text
+                text = segment.text[-keep:]
+                words = self.text_tokenizer.pre_tokenizer.pre_tokenize_str(text)
+                segment = Segment(text[words[1][1][0]:] if len(words) > 1 else text, False, segment.trained)
+                keep = 0  # (the text before the cut: left out)
+            kept.append(segment)
+            keep -= len(segment.text)
+        return self.encode(kept[::-1])[0][-max_tokens:]
 
     def decode(self, ids: list[int]) -> str:
         """Text of generated ids, with the chat tags kept and other special tokens left out."""

@@ -21,12 +21,11 @@ from typing import Callable
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from tokenizers import Tokenizer
 from torch.utils.data import Dataset
 
 from dataset.chat_format import ChatEncoder, parse_conversation, render_segments
-from dataset.jsonl_file import JsonlFile, collective_device
+from dataset.jsonl_file import JsonlFile, each_record_on_its_rank
 from dataset.lm_dataset import IGNORE_INDEX, _pad
 
 EXAMPLE = '{"chosen": [{"role": "user", ...}, {"role": "assistant", ...}], "rejected": [...]}'
@@ -86,23 +85,17 @@ class DPODataset(Dataset):
     def _pairs_beyond_max_seq_len(self) -> np.ndarray:
         """The pairs whose prompt (through the answer's `<|im_start|>assistant\\n`) fills max_seq_len tokens: their
         answers start where the cut is. Both sides share the prompt, so "chosen" tells. Some 50 microseconds a pair
-        of the demo's, on one core; the ranks share the work, as PackedPretrainDataset's lengths: each its slice of
-        the pairs, then one all-reduce."""
-        count = len(self.source)
-        rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        beyond = np.zeros(count, dtype=np.int64)
-        for i in range(rank * count // world_size, (rank + 1) * count // world_size):
-            messages = self.source.read(i)["chosen"]
-            last = answer_index(messages)
-            prompt = render_segments(messages[:last], add_generation_prompt=True) if last else []
-            # A token stands for a byte at least: a prompt of fewer bytes fits without tokenizing it.
-            if sum(len(segment.text.encode("utf-8")) for segment in prompt) >= self.max_seq_len:
-                beyond[i] = len(self.encoder.encode(prompt, max_tokens=self.max_seq_len)[0]) >= self.max_seq_len
-        if world_size > 1:
-            shared = torch.from_numpy(beyond).to(collective_device())
-            dist.all_reduce(shared)
-            beyond = shared.cpu().numpy()
-        return np.flatnonzero(beyond)
+        of the demo's, on one core; the ranks share the work, as PackedPretrainDataset's lengths."""
+        return np.flatnonzero(each_record_on_its_rank(len(self.source), self._beyond_max_seq_len))
+
+    def _beyond_max_seq_len(self, i: int) -> bool:
+        messages = self.source.read(i)["chosen"]
+        last = answer_index(messages)
+        prompt = render_segments(messages[:last], add_generation_prompt=True) if last else []
+        # A token stands for a byte at least: a prompt of fewer bytes fits without tokenizing it.
+        if sum(len(segment.text.encode("utf-8")) for segment in prompt) < self.max_seq_len:
+            return False
+        return len(self.encoder.encode(prompt, max_tokens=self.max_seq_len)[0]) >= self.max_seq_len
 
     def encode_answer(self, messages: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
         """Ids and labels of one side, the labels on the last assistant turn only, cut and padded."""

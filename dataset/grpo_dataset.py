@@ -10,23 +10,30 @@ a user message, or whose last assistant message is empty, has no answer, which a
 
 Item i is (input_ids, labels), each [max_prompt_len]: the prompt's ids, right-padded; labels mark the prompt's
 tokens (-100 on padding), so the loop reads the prompt's length from them and the loader's placeholder (all
--100) has none. A prompt longer than max_prompt_len keeps its end: the question and the generation header.
+-100) has none. A prompt longer than max_prompt_len (what --max_seq_len leaves beside --max_completion_len) keeps
+its end, the question and the generation header, and only the text that end needs is tokenized (a 52 MB prompt
+was tokenized whole for every step that drew it). Such prompts are found when the file is opened (`cut`) and
+said in one line (how many, their first line numbers); train_grpo.py counts those of each logged step in its
+metrics. A room that every prompt is longer than is refused (DataFileError: the run would train on none of them).
 """
 
 from __future__ import annotations
 
 import os
 from functools import partial
+from typing import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch.utils.data import Dataset
 
-from dataset.chat_format import ChatEncoder, parse_conversation, render_segments
-from dataset.jsonl_file import JsonlFile
+from dataset.chat_format import ChatEncoder, Segment, parse_conversation, render_segments
+from dataset.jsonl_file import DataFileError, JsonlFile, each_record_on_its_rank
 from dataset.lm_dataset import IGNORE_INDEX, _pad
 from dataset.rewards import NEEDS_ANSWER
+from model.model import LMConfig
 from model.tokenizer import EOS_ID, PAD_ID
 
 EXAMPLE = '{"conversations": [{"role": "user", "content": "3+4?"}, {"role": "assistant", "content": "7"}]}'
@@ -56,27 +63,65 @@ class GRPODataset(Dataset):
     """Prompts with their reference answers, and the rewards that score completions of them: item i is
     (input_ids, labels), the prompt, [max_prompt_len]."""
 
-    def __init__(self, data_path: str | os.PathLike, tokenizer: Tokenizer, max_prompt_len: int, rewards: dict):
+    def __init__(self, data_path: str | os.PathLike, tokenizer: Tokenizer, max_prompt_len: int, rewards: dict,
+                 log: Callable[[str], None] | None = None):
         self.rewards = rewards  # {name: function} (dataset/rewards.py: reward_functions) that score the completions
         # Every line checked before training; its answer too, where a reward compares with it
         needs_answer = bool(NEEDS_ANSWER & set(rewards))
         self.source = JsonlFile.shared(data_path, validate=partial(check_prompt, needs_answer=needs_answer))
         self.encoder = ChatEncoder(tokenizer)  # the SFT stage's encoder: tags by their ids, text as text
         self.max_prompt_len = max_prompt_len
+        # The prompts longer than max_prompt_len (sorted indices), cut from the left: said here, counted in the metrics
+        self.cut = np.flatnonzero(each_record_on_its_rank(len(self), self._is_cut))
+        if len(self.cut) == len(self) > 0:
+            self._refuse_the_room()
+        if len(self.cut) and log is not None:
+            cut = self.cut
+            lines = ", ".join([str(self.source.line_number(i)) for i in cut[:5]] + ["..."] * (len(cut) > 5))
+            log(f"note: {len(cut)} of {len(self)} prompts in {self.source.path} (line{'s' if len(cut) > 1 else ''} "
+                f"{lines}) are longer than the {max_prompt_len} tokens --max_seq_len leaves beside "
+                f"--max_completion_len: cut from the left, each keeps its end (the question and the generation "
+                f"header). Raise --max_seq_len, lower --max_completion_len, or shorten those prompts")
 
     def __len__(self) -> int:
         return len(self.source)
+
+    def prompt(self, i: int) -> list[Segment]:
+        """Prompt i as the model is asked: the messages before the answer, with the generation header."""
+        return render_segments(split_prompt(self.source.read(i)["conversations"])[0], add_generation_prompt=True)
 
     def answer(self, i: int) -> str | None:
         """The reference answer of prompt i (None: the line has none, or i is the loader's placeholder, -1)."""
         return None if i < 0 else split_prompt(self.source.read(i)["conversations"])[1]
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        prompt, _ = split_prompt(self.source.read(i)["conversations"])
-        ids, _ = self.encoder.encode(render_segments(prompt, add_generation_prompt=True))
-        ids = ids[-self.max_prompt_len:]  # too long: its end stays, where the question and the header are
-        return _pad(ids, ids, self.max_prompt_len)
+    def count_cut(self, indices: torch.Tensor) -> int:
+        """How many of the prompts `indices` are among those cut (`cut`)."""
+        return int(np.isin(indices.numpy(), self.cut).sum()) if len(self.cut) else 0
 
+    def _is_cut(self, i: int) -> bool:
+        segments = self.prompt(i)
+        # A token stands for a byte at least: a prompt of no more bytes fits without tokenizing it.
+        if sum(len(segment.text.encode("utf-8")) for segment in segments) <= self.max_prompt_len:
+            return False
+        return len(self.encoder.encode_end(segments, self.max_prompt_len + 1)) > self.max_prompt_len
+
+    def _refuse_the_room(self) -> None:
+        """Every prompt is longer than max_prompt_len: DataFileError naming the shortest, and the room it needs."""
+        limit = LMConfig.max_position_embeddings  # (no window is longer: the rotary table's length)
+        lengths = each_record_on_its_rank(len(self), lambda i: len(self.encoder.encode_end(self.prompt(i), limit)))
+        shortest = int(lengths.argmin())
+        tokens = f"{lengths[shortest]}{' or more' if lengths[shortest] >= limit else ''}"
+        room = self.max_prompt_len
+        raise DataFileError(f"{self.source.path}: each of its {len(self)} prompts is longer than the {room} "
+                            f"token{'s' if room > 1 else ''} --max_seq_len leaves beside "
+                            f"--max_completion_len (the shortest, line {self.source.line_number(shortest)}, has "
+                            f"{tokens}): each would be cut to its end, and the run would train on nothing it was "
+                            f"asked. Make --max_seq_len at least {lengths[shortest]} more than --max_completion_len")
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # Too long: its end stays, where the question and the header are; only the text that end needs is tokenized
+        ids = self.encoder.encode_end(self.prompt(i), self.max_prompt_len)
+        return _pad(ids, ids, self.max_prompt_len)
 
 
 @torch.no_grad()

@@ -379,6 +379,20 @@ def collective_device() -> torch.device:
     return torch.device("cpu")
 
 
+def each_record_on_its_rank(count: int, value: Callable[[int], int]) -> np.ndarray:
+    """[value(i) for i in range(count)] (int64), each rank computing its share (a contiguous slice): one all-reduce
+    (a sum: the other ranks' slots are 0) gives every rank all of them. Every rank calls it (a collective)."""
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    values = np.zeros(count, dtype=np.int64)
+    for i in range(rank * count // world_size, (rank + 1) * count // world_size):
+        values[i] = value(i)
+    if world_size > 1:
+        shared = torch.from_numpy(values).to(collective_device())
+        dist.all_reduce(shared)
+        values = shared.cpu().numpy()
+    return values
+
+
 def _check_every_rank_sees_the_same_file(path: str, device: torch.device) -> None:
     """The index is byte offsets, so it only fits a file of the same size (e.g. a copy on each node).
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import re
+from decimal import Decimal
 from typing import Callable
 
 import torch
@@ -35,18 +36,22 @@ def final_answer(completion: str) -> str:
     return THINK_BLOCK.split(completion)[-1].strip()
 
 
-def as_number(text: str) -> float | None:
-    """`text` as a number ("42", "-3.5", "1,000"), else None."""
-    try:
-        value = float(text.replace(",", ""))
-    except ValueError:
-        return None
-    return value if math.isfinite(value) else None
+# A number as an answer is written: a sign, ASCII digits, a point and more digits. A comma is a thousands separator
+# only where it groups three digits after a first group of one to three ("1,234", "12,345.5"); "1,2", ",5" or "1,2345"
+# are text, compared as text. No exponent: "1e999999999" would be a number of a billion digits to build.
+NUMBER = re.compile(r"[+-]?(?:(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]*)?|\.[0-9]+)")
+
+
+def as_number(text: str) -> Decimal | None:
+    """`text` as an exact number ("42", "-3.5", "1,000", ".5"), else None. Decimal, not float: a float has 53 bits,
+    so "12345678901234567890" and "...891" were equal; a Decimal keeps every digit, and "0.5", "0.50" and ".5" are
+    equal (the same value), as are "12" and "12.0"."""
+    return Decimal(text.replace(",", "")) if NUMBER.fullmatch(text) else None
 
 
 def answer_reward(completions: list[str], answers: list[str | None]) -> list[float]:
     """1.0 where the completion's final answer is the reference answer: the same text once the think block and
-    whitespace are stripped, or the same number ("12" and "12.0"); else 0.0."""
+    whitespace are stripped, or the same number exactly (as_number: "12" and "12.0", "1,234" and "1234"); else 0.0."""
     rewards = []
     for completion, answer in zip(completions, answers, strict=True):
         got, want = final_answer(completion), final_answer(answer or "")

@@ -89,7 +89,8 @@ def text_for_tokens(text: str, max_tokens: int, tokenizer: Tokenizer) -> str:
 
 
 def chars_for_tokens(max_tokens: int, tokenizer: Tokenizer) -> int:
-    """How many characters text_for_tokens keeps (why: its docstring)."""
+    """How many characters text_for_tokens keeps for `max_tokens` tokens; the same holds of a text's end (a cut
+    on the left changes only the tokens near it too), which text_end_for_tokens and ChatEncoder.encode_end keep."""
     return 2 * max_tokens * longest_token_chars(tokenizer) + CUT_MARGIN_CHARS
 
 

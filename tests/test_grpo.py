@@ -162,8 +162,9 @@ def test_a_prompt_is_the_conversation_before_the_last_answer_with_the_generation
     text = dataset.encoder.decode(prompt)
     assert text.startswith("user\n1+1?") and text.endswith("user\n3+4?\nassistant\n"), text  # tags hidden
     assert (dataset.answer(0), dataset.answer(1), dataset.answer(-1)) == ("7", "10", None)
-    cut = GRPODataset(data, tokenizer, 8, reward_functions("answer"))[0][0]
-    assert cut.tolist() == prompt[-8:]  # a long prompt keeps its end: the question and the header
+    room = int((dataset[1][1] != -100).sum())  # the second prompt's length: it fits, the first is cut
+    cut = GRPODataset(data, tokenizer, room, reward_functions("answer"))[0][0]
+    assert cut.tolist() == prompt[-room:] and len(prompt) > room  # a long prompt keeps its end: the question, header
 
 
 def test_a_line_without_an_answer_is_refused_for_the_answer_reward_only(tmp_path, tokenizer):
@@ -204,6 +205,16 @@ def test_the_answer_reward_strips_the_think_block_and_compares_numbers_as_number
     assert answer_reward(completions, ["5"] * 5) == [1.0, 1.0, 0.0, 0.0, 0.0]
     assert answer_reward(["Paris ", "paris"], ["Paris", "Paris"]) == [1.0, 0.0]  # exact text otherwise
     assert format_reward(["<think>\nhm\n</think>\n\n5", "5", "<think>\n\n</think>\n\n"], [None] * 3) == [0.5, 0, 0]
+
+
+@pytest.mark.parametrize("completion, answer, reward", [
+    ("12", "1,2", 0.0), ("35", "3,5", 0.0), ("5", ",,5,", 0.0), ("12345", "1,2345", 0.0),  # a comma not grouping 3
+    ("12345678901234567890", "12345678901234567891", 0.0),  # 20 digits: equal as floats, not as numbers
+    ("0.1", "0.10000000000000001", 0.0),  # the same float too
+    ("1234", "1,234", 1.0), ("-1234567.5", "-1,234,567.50", 1.0), ("0.5", ".5", 1.0), ("12", "+12.", 1.0),
+    ("1,2", "1,2", 1.0), ("1e3", "1000", 0.0), ("inf", "inf", 1.0), ("nan", "NaN", 0.0)])  # the last three: text
+def test_numbers_compare_exactly_and_a_comma_only_groups_three_digits(completion, answer, reward):
+    assert answer_reward([completion], [answer]) == [reward]
 
 
 def test_a_reward_that_raises_returns_nan_or_the_wrong_count_is_one_line_naming_it(monkeypatch):

@@ -2,7 +2,8 @@
 at the TINY_MODEL size: the same gradient however the global batch is split (rollouts included), under python or
 torchrun, across a resume; a run that trains, logs what a user watches and saves; a resume in one process bit
 for bit; one-line errors for a bad reward name, a line without an answer and a reward that fails mid-run (the
-last checkpoint stays the newest). Behind TRAINER_SLOW_TESTS=1: a resume on 2 ranks bit-identical
+last checkpoint stays the newest); rollouts beyond memory and a room no prompt fits in refused in one line, and the
+prompts cut said at start and counted in the metrics. Behind TRAINER_SLOW_TESTS=1: a resume on 2 ranks bit-identical
 with the metrics and status files, rotated checkpoints and the tracker run id carried over, and a changed
 reference refused; a resume on 2 -> 3 -> 1 ranks training each prompt's group once; a SIGTERM that saves; a
 reward that fails on rank 1 only stopping both ranks with its line.
@@ -11,6 +12,7 @@ reward that fails on rank 1 only stopping both ranks with its line.
 from __future__ import annotations
 
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -123,6 +125,53 @@ def test_a_bad_reward_name_and_a_line_without_an_answer_are_one_line_each_with_e
         assert result.returncode == 2 and result.stderr.startswith(line), (extra, result.stderr[-2000:])
         assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (tmp_path / "ckpt").exists()  # refused before anything was trained or saved
+
+
+@pytest.mark.parametrize("flags, line", [
+    # Before: 9.2 GB allocated, then a traceback after 58 s
+    (["--num_generations", "100000", "--max_completion_len", "8"], r"--num_generations 100000 x --batch_size 4 x "
+     r"--max_seq_len 48: a micro-batch's rollouts, 400,000 completions, need at least [\d,.]+ GiB \(.*\) beside "
+     r"the model's .* GiB, but this machine has .* GiB of memory available; lower --num_generations, --batch_size "
+     r"or --max_seq_len$"),
+    # Before: every prompt cut to its last token ("\n"), and a run that trained on nothing it was asked, exit 0
+    (["--max_completion_len", "47"], r".*prompts.jsonl: each of its 11 prompts is longer than the 1 token "
+     r"--max_seq_len leaves beside --max_completion_len \(the shortest, line 1, has \d+\): .* Make --max_seq_len "
+     r"at least \d+ more than --max_completion_len$")], ids=["rollouts-beyond-memory", "no-room-for-any-prompt"])
+def test_rollouts_beyond_memory_and_a_room_no_prompt_fits_are_one_line_each_with_exit_2(tmp_path, prompts, flags,
+                                                                                         line):
+    result = train(SCRIPT, None, run_args(tmp_path, prompts, *flags), tmp_path, check=False, timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert len(result.stderr.splitlines()) == 1 and re.match(f"error: {line}", result.stderr), result.stderr
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "out").exists()  # before anything was made
+
+
+@pytest.mark.parametrize("flags, line", [
+    # Before: 9.2 GB allocated, then a traceback after 58 s
+    (["--num_generations", "100000", "--max_completion_len", "8"], r"--num_generations 100000 x --batch_size 4 x "
+     r"--max_seq_len 48: a micro-batch's rollouts, 400,000 completions, need at least [\d,.]+ GiB \(.*\) beside "
+     r"the model's .* GiB, but this machine has .* GiB of memory available; lower --num_generations, --batch_size "
+     r"or --max_seq_len$"),
+    # Before: every prompt cut to its last token ("\n"), and a run that trained on nothing it was asked, exit 0
+    (["--max_completion_len", "47"], r".*prompts.jsonl: each of its 11 prompts is longer than the 1 token "
+     r"--max_seq_len leaves beside --max_completion_len \(the shortest, line 1, has \d+\): .* Make --max_seq_len "
+     r"at least \d+ more than --max_completion_len$")], ids=["rollouts-beyond-memory", "no-room-for-any-prompt"])
+def test_rollouts_beyond_memory_and_a_room_no_prompt_fits_are_one_line_each_with_exit_2(tmp_path, prompts, flags,
+                                                                                         line):
+    result = train(SCRIPT, None, run_args(tmp_path, prompts, *flags), tmp_path, check=False, timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert len(result.stderr.splitlines()) == 1 and re.match(f"error: {line}", result.stderr), result.stderr
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "out").exists()  # before anything was made
+
+
+def test_a_run_says_which_prompts_are_cut_and_counts_them_in_its_metrics(tmp_path):
+    records = sum_questions(11)
+    for line in (2, 5, 9):  # some 120 tokens, the others some 15: 40 - 8 = 32 are left for a prompt
+        records[line - 1] = question("What is " + " plus ".join(str(n) for n in range(30)) + "?", "435")
+    data = write_jsonl(tmp_path / "prompts.jsonl", records)
+    result = train(SCRIPT, None, grpo_args(tmp_path, data, "--max_seq_len", "40", "--batch_size", "4"), tmp_path)
+    assert f"note: 3 of 11 prompts in {data} (lines 2, 5, 9) are longer than the 32 tokens" in result.stdout
+    steps = [r for r in metrics_of(tmp_path, RUN) if "prompts_cut" in r]
+    assert len(steps) == 3 and sum(r["prompts_cut"] for r in steps) == 3  # 11 prompts, 4 a step
 
 
 @SLOW

@@ -191,8 +191,9 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
                 tracker.step(step, numbers, verdict)  # its trace line (--save_debug_train_output), tokens/s
         if log_now:  # step N's line (the last one read): the loss over the global batch, its LR and grad norm
             tracker.log({"epoch": step.epoch, "samples_consumed": at.samples_consumed, "loss": numbers.loss,
-                         "lr": step.lr, "grad_norm": numbers.grad_norm,  # grpo: and what a user watches
-                         **watched_metrics(watch, args.num_generations)},  # grpo
+                         "lr": step.lr, "grad_norm": numbers.grad_norm,  # grpo: what a user watches, prompts cut
+                         **watched_metrics(watch, args.num_generations), "prompts_cut": train_ds.count_cut(  # grpo
+                             sampler.step_window(s))},  # grpo
                         at.global_step, total_steps(at, n, global_batch, args.epochs))
         if validate:
             tracker.validation(at.global_step, validation_loss(unwrap(model), val_ds, args.batch_size,
@@ -220,8 +221,8 @@ def main() -> None:
 
     # ---- 3. Data and batch geometry: the files are indexed and checked before any training ------
     tokenizer = load_tokenizer(args.tokenizer_path)
-    train_ds = GRPODataset(args.data_path, tokenizer, args.max_seq_len - args.max_completion_len,  # grpo
-                           rewards=reward_functions(args.rewards))  # grpo: a name that is none: one line, exit 2
+    train_ds = GRPODataset(args.data_path, tokenizer, args.max_seq_len - args.max_completion_len,  # grpo: says
+                           reward_functions(args.rewards), log)  # grpo: prompts cut; a bad name: one line, exit 2
     val_ds = None  # grpo: no validation loss (flag_checks.check_grpo_flags refuses --val_data)
     n = len(train_ds)
     accumulation, global_batch = resolve_accumulation(args.batch_size, world_size, args.accumulation_steps,

@@ -8,7 +8,7 @@ The names that become file names (--save_weight, --run_name, --from_weight) are 
 the file system, and no file the run writes is one it reads (check_outputs_are_not_inputs). One check runs
 later, once the tokenizer gives the vocabulary: a model whose weights, gradients and AdamW state (a LoRA
 stage's adapters included) cannot fit in the device's memory is refused (check_fits_in_memory, called by
-trainer_utils.model_config), before anything is allocated.
+trainer_utils.model_config), before anything is allocated; so are GRPO's rollouts that cannot fit beside it.
 """
 
 from __future__ import annotations
@@ -387,6 +387,8 @@ def check_fits_in_memory(config: LMConfig, args: argparse.Namespace) -> None:
         needed *= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     available, where = available_memory(device)
     if needed <= available:
+        if getattr(args, "num_generations", None) is not None:  # GRPO: its rollouts, on top
+            check_rollouts_fit(config, args, needed, available, where)
         return
     defaults = {**DEFAULT_SIZES, "intermediate_size": default_intermediate_size(config.hidden_size),
                 "lora_rank": DEFAULT_LORA_RANK}
@@ -399,6 +401,24 @@ def check_fits_in_memory(config: LMConfig, args: argparse.Namespace) -> None:
                       f"parameters, and training them needs at least {gib(needed)} ({TRAINING_BYTES_PER_PARAMETER} "
                       f"bytes a parameter: fp32 weights and gradients, AdamW's two moments{share}), but {where}; "
                       f"lower --{culprit}")
+
+
+def check_rollouts_fit(config: LMConfig, args: argparse.Namespace, model: int, available: int, where: str) -> None:
+    """Refuse GRPO rollouts that cannot fit beside the model's `model` bytes: a micro-batch's batch_size x G rows of
+    max_seq_len tokens need, at least, the policy's and the reference's fp32 log-probabilities over the vocabulary
+    (cross-entropy keeps the policy's for the backward) and the KV cache its generation fills (2 bytes a value:
+    bf16). `--num_generations 100000` allocated 9 GB and ended in a traceback after a minute."""
+    rows, head_dim = args.batch_size * args.num_generations, config.hidden_size // config.num_attention_heads
+    per_token = 2 * config.vocab_size * 4 + 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2
+    needed = rows * args.max_seq_len * per_token
+    if torch.device(args.device).type != "cuda":  # the ranks of a node share its memory (torchrun's LOCAL_WORLD_SIZE)
+        needed *= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if model + needed > available:
+        raise ConfigError(f"--num_generations {args.num_generations} x --batch_size {args.batch_size} x "
+                          f"--max_seq_len {args.max_seq_len}: a micro-batch's rollouts, {rows:,} completions, need at "
+                          f"least {gib(needed)} (the policy's and the reference's log-probabilities over "
+                          f"{config.vocab_size:,} tokens, the KV cache) beside the model's {gib(model)}, but {where}; "
+                          f"lower --num_generations, --batch_size or --max_seq_len")
 
 
 def available_memory(device: torch.device) -> tuple[int, str]:
@@ -417,7 +437,7 @@ def available_memory(device: torch.device) -> tuple[int, str]:
 
 
 def gib(size: int) -> str:
-    return f"{size / 2**30:,.1f} GiB"
+    return f"{size / 2**30:,.1f} GiB" if size < 2**1000 else "over 2**1000 bytes"  # (--batch_size 10**400: no float)
 
 
 def resolve_accumulation(batch_size: int, world_size: int, accumulation_steps: int,
