@@ -20,9 +20,12 @@ READMES = ("README.md", "README_zh.md")
 PAGES = (*READMES, *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").rglob("*.md")))
 
 
-def bash_lines(page: str) -> list[str]:
-    """The commands of the page's ```bash blocks, continuation lines joined, comments and prompts left out."""
+def bash_lines(page: str, heading: str | None = None) -> list[str]:
+    """The commands of the page's ```bash blocks (those of the section under `heading` when given), continuation
+    lines joined, comments and prompts left out."""
     text = (REPO / page).read_text(encoding="utf-8")
+    if heading is not None:
+        text = text.split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
     lines = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         for line in block.replace("\\\n", " ").splitlines():
