@@ -116,12 +116,13 @@ def test_every_training_command_shown_passes_its_scripts_flag_checks(tmp_path):
 
 
 def test_the_export_commands_as_printed_write_their_files_under_out(tmp_path):
-    # A folder laid out as the clone after the demo: the demo's weight names (small weights) and the .json of
-    # the length training used beside the SFT model.
+    # A folder laid out as the clone after the demo and the README's LoRA command: the demo's weight names and the
+    # README's adapter, lora_my (small weights), and the .json of the length training used beside the SFT model.
     config = tiny_config(hidden_size=128)
     base = write_base(tmp_path / "out", config)
     write_base(tmp_path / "out", config, name="pretrain")
-    write_adapter(tmp_path / "out", config, base=base)
+    for name in ("demo", "my"):
+        write_adapter(tmp_path / "out", config, base=base, name=name)
     (tmp_path / "out" / "full_sft_128.json").write_text('{"max_seq_len": 192}\n')
     before = {p.relative_to(tmp_path) for p in tmp_path.rglob("*")}
 
