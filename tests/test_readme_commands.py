@@ -22,9 +22,12 @@ READMES = ("README.md", "README_zh.md")
 PAGES = (*READMES, *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").rglob("*.md")))
 
 
-def bash_lines(page: str) -> list[str]:
-    """The commands of the page's ```bash blocks, continuation lines joined, comments and prompts left out."""
+def bash_lines(page: str, heading: str | None = None) -> list[str]:
+    """The commands of the page's ```bash blocks (those of the section under `heading` when given), continuation
+    lines joined, comments and prompts left out."""
     text = (REPO / page).read_text(encoding="utf-8")
+    if heading is not None:
+        text = text.split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
     lines = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         for line in block.replace("\\\n", " ").splitlines():
@@ -115,12 +118,13 @@ def test_every_training_command_shown_passes_its_scripts_flag_checks(tmp_path):
 
 
 def test_the_export_commands_as_printed_write_their_files_under_out(tmp_path):
-    # A folder laid out as the clone after the demo: the demo's weight names (small weights) and the .json of
-    # the length training used beside the SFT model.
+    # A folder laid out as the clone after the demo and the README's LoRA command: the demo's weight names and the
+    # README's adapter, lora_my (small weights), and the .json of the length training used beside the SFT model.
     config = tiny_config(hidden_size=128)
     base = write_base(tmp_path / "out", config)
     write_base(tmp_path / "out", config, name="pretrain")
-    write_adapter(tmp_path / "out", config, base=base)
+    for name in ("demo", "my"):
+        write_adapter(tmp_path / "out", config, base=base, name=name)
     (tmp_path / "out" / "full_sft_128.json").write_text('{"max_seq_len": 192}\n')
     before = {p.relative_to(tmp_path) for p in tmp_path.rglob("*")}
 

@@ -65,9 +65,9 @@ def parse_args() -> argparse.Namespace:
     a("--warmup_ratio", type=float, default=0.01)
     a("--max_seq_len", type=int, default=340)
     a("--hidden_size", type=int, default=512)
-    a("--num_hidden_layers", type=int, default=8)
-    a("--num_attention_heads", type=int, default=8)
-    a("--num_key_value_heads", type=int, default=4)
+    a("--num_hidden_layers", type=int, default=None, help="default: from --from_weight, else 8")
+    a("--num_attention_heads", type=int, default=None, help="default: from --from_weight, else 8")
+    a("--num_key_value_heads", type=int, default=None, help="default: from --from_weight, else 4")
     a("--use_moe", type=int, default=0, choices=(0, 1))
     a("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
       help="autocast dtype on CUDA (CPU always trains in float32)")

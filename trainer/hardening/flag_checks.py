@@ -149,8 +149,11 @@ def check_grpo_flags(args: argparse.Namespace) -> None:
 
 
 def check_model_shape(args: argparse.Namespace) -> None:
-    """The size flags fit together (LMConfig checks the same, but with a traceback)."""
-    hidden, heads, kv_heads = args.hidden_size, args.num_attention_heads, args.num_key_value_heads
+    """The size flags fit together (LMConfig checks the same, but with a traceback). A size not given is the
+    model's default here; from --from_weight's file it is the file's, checked when the file is read."""
+    hidden = args.hidden_size
+    heads = LMConfig.num_attention_heads if args.num_attention_heads is None else args.num_attention_heads
+    kv_heads = LMConfig.num_key_value_heads if args.num_key_value_heads is None else args.num_key_value_heads
     if hidden % heads:
         raise ConfigError(f"--hidden_size {hidden}: must be a multiple of --num_attention_heads {heads} "
                           f"(each head gets hidden_size / heads dimensions)")
