@@ -75,14 +75,14 @@ def test_nan_under_warn_is_skipped_and_never_reaches_the_weights(tmp_path, pretr
     assert record["anomaly"] == "non-finite loss nan at step 5"
 
 
-def test_rollback_reloads_the_checkpoint_skips_the_bad_window_and_trains_the_rest_once(tmp_path, pretrain_data):
+def test_rollback_reloads_the_checkpoint_leaves_the_bad_window_out_and_trains_the_rest_once(tmp_path, pretrain_data):
     # Two ranks, global batch 4, a save every 2 steps: step 4 goes bad, the run returns to the
-    # step-2 checkpoint, trains step 3 again, and steps over step 4's window.
+    # step-2 checkpoint, trains step 3 again, and leaves step 4's window out of the epoch.
     train("train_pretrain.py", 2, job_args(tmp_path, pretrain_data, "--on_anomaly", "rollback", "--save_interval", "2",
                                            "--debug_inject", "nan:4"), tmp_path)
     assert events_of(tmp_path) == [("anomaly", 4), ("rollback", 2)]
     status = status_of(tmp_path)
-    assert (status["status"], status["current_step"]) == ("completed", 10)
+    assert (status["status"], status["current_step"]) == ("completed", 9)  # 33 samples left: one step fewer
 
     trace = trace_of(tmp_path)
     retrained = collections.defaultdict(list)
@@ -94,34 +94,31 @@ def test_rollback_reloads_the_checkpoint_skips_the_bad_window_and_trains_the_res
         assert before["samples"] == after["samples"] and before["loss"] == after["loss"], f"rank {rank}"
 
     final_records = last_record_per_step_and_rank(trace)
-    skipped = [r for r in final_records if r.get("skipped")]
-    assert {r["step"] for r in skipped} == {4} and len(skipped) == 2  # one record per rank
-    skipped_samples = {i for r in skipped for i in r["skipped_samples"]}
-    assert len(skipped_samples) == 4 and all(r["samples"] == [] for r in skipped)
-
+    assert not any(r.get("skipped") for r in final_records)  # nothing trained at LR 0: the window is not trained
+    bad_window = set(epoch_order(seed=42, epoch=0, num_samples=37)[12:16].tolist())  # step 4's: samples 12-15
     trained = collections.Counter(i for r in final_records for i in r["samples"])
-    assert set(trained) == set(range(37)) - skipped_samples
+    assert set(trained) == set(range(37)) - bad_window
     assert set(trained.values()) == {1}, "a sample was trained twice"
     final = resume_file(tmp_path)
-    assert (final["epoch"], final["samples_consumed"]) == (1, 0)
-    assert final["anomaly"]["rollbacks"] == 1
+    assert (final["epoch"], final["samples_consumed"], final["global_step"]) == (1, 0, 9)
+    assert final["anomaly"]["rollbacks"] == 1 and final["anomaly"]["left_out"] == [[0, 12, 16]]
     assert_all_finite(final)
 
 
-def test_resume_keeps_the_rollback_count_and_still_skips_the_bad_window(tmp_path, pretrain_data):
+def test_resume_keeps_the_rollback_count_and_still_leaves_the_bad_window_out(tmp_path, pretrain_data):
     # One process, 2 samples a step, a save every 2 steps. Step 6 goes bad: back to step 4, step 5
     # trained again, then --max_steps 6 (steps 1-5 and the retrained 5) stops the run before it
-    # reaches the bad window again. The resumed run, without --debug_inject, must step over it.
+    # reaches the bad window again. The resumed run, without --debug_inject, must leave it out.
     args = job_args(tmp_path, pretrain_data, "--on_anomaly", "rollback", "--save_interval", "2")
     train("train_pretrain.py", None, [*args, "--debug_inject", "nan:6", "--max_steps", "6"], tmp_path)
     first_trace = trace_of(tmp_path)
     assert [r["step"] for r in first_trace] == [1, 2, 3, 4, 5, 5]  # step 6 rolled back before it was recorded
     bad_window = epoch_order(seed=42, epoch=0, num_samples=37)[10:12].tolist()  # step 6 of 2 samples
     saved = resume_file(tmp_path)
-    assert (saved["global_step"], saved["samples_consumed"]) == (5, 10)
+    assert (saved["global_step"], saved["samples_consumed"]) == (5, 12)  # the cursor already past the bad window
     guard = saved["anomaly"]
     assert guard["rollbacks"] == 1 and guard["lr_scale"] == 1.0
-    assert guard["skip_windows"] == [[0, 10]]  # epoch 0, the window starting at sample 10 (step 6's)
+    assert guard["left_out"] == [[0, 10, 12]]  # epoch 0, samples 10-11 of its order (step 6's window)
     retrained_step_5 = [r for r in first_trace if r["step"] == 5][-1]
     assert guard["detector"]["losses"][-1] == retrained_step_5["global_loss"]  # the detector's history came along
 
@@ -129,9 +126,9 @@ def test_resume_keeps_the_rollback_count_and_still_skips_the_bad_window(tmp_path
     train("train_pretrain.py", None, [*args, "--from_resume", "1", "--save_debug_train_output", str(resumed_trace)],
           tmp_path)
     resumed = read_trace(resumed_trace)
-    assert resumed[0]["step"] == 6 and resumed[0]["skipped"] is True and resumed[0]["samples"] == []
-    assert resumed[0]["skipped_samples"] == bad_window
-    assert [r["step"] for r in resumed] == list(range(6, 20)) and not any(r.get("skipped") for r in resumed[1:])
+    next_window = epoch_order(seed=42, epoch=0, num_samples=37)[12:14].tolist()
+    assert resumed[0]["step"] == 6 and resumed[0]["samples"] == next_window  # the samples after the bad window
+    assert [r["step"] for r in resumed] == list(range(6, 19)) and not any(r.get("skipped") for r in resumed)
 
     final_records = last_record_per_step_and_rank(first_trace + resumed)
     trained = collections.Counter(i for r in final_records for i in r["samples"])
@@ -139,7 +136,7 @@ def test_resume_keeps_the_rollback_count_and_still_skips_the_bad_window(tmp_path
     assert set(trained.values()) == {1}, "a sample was trained twice"
     assert events_of(tmp_path) == [("anomaly", 6), ("rollback", 4), ("resume", 5)]
     status = status_of(tmp_path)
-    assert (status["status"], status["current_step"], status["anomaly_detected"]) == ("completed", 19, True)
+    assert (status["status"], status["current_step"], status["anomaly_detected"]) == ("completed", 18, True)  # 35 samples left
     assert resume_file(tmp_path)["anomaly"]["rollbacks"] == 1
 
 

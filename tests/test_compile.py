@@ -46,4 +46,4 @@ def test_compiled_run_rolls_back_saves_in_the_background_and_resumes_bit_identic
     assert_states_equal(resume_file(straight), resume_file(split))
     losses = [(r["step"], r["loss"]) for r in trace_of(straight)]
     assert losses == [(r["step"], r["loss"]) for r in trace_of(split)]
-    assert [step for step, _ in losses] == [1, 2, 3, 4, 5, 5, 6, 7, 8, 9]  # step 6 stepped over after the rollback
+    assert [step for step, _ in losses] == [1, 2, 3, 4, 5, 5, 6, 7, 8, 9]  # step 6 after the rollback: the window after the bad one

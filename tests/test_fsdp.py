@@ -179,7 +179,7 @@ def test_one_step_saved_by_ddp_then_fsdp_then_ddp_keeps_a_manifest_each_and_the_
 @pytest.fixture(scope="module")
 def sharded_run(tmp_path_factory) -> Path:
     """A 2-rank FSDP run of 6 steps saving every 2 in the background (kept: steps 2, 4 and 6). Step 3's loss is
-    made NaN: the run rolls back to step 2 and steps over that window. 5 validation samples, 3 on rank 0."""
+    made NaN: the run rolls back to step 2 and leaves that window out. 5 validation samples, 3 on rank 0."""
     run_dir = tmp_path_factory.mktemp("sharded")
     data = slice_jsonl(REPO / "dataset" / "pretrain_demo.jsonl", run_dir / "pretrain.jsonl", 37)
     val = slice_jsonl(REPO / "dataset" / "val_demo.jsonl", run_dir / "val.jsonl", 5)

@@ -91,21 +91,22 @@ def test_state_dict_round_trip_keeps_the_statistics():
     assert "spike" in restored.check(7, 5.0, 1.0)
 
 
-def test_guard_state_round_trip_keeps_rollbacks_lr_scale_and_skip_windows():
+def test_guard_state_round_trip_keeps_rollbacks_lr_scale_and_the_windows_left_out():
     guard = AnomalyGuard("rollback", patience=0, max_rollbacks=2, lr_factor=0.5, max_skipped=20)
     for step, loss in enumerate([2.0, 2.02, 1.98, 2.01, 1.99, 2.0], start=1):
         assert guard.verdict(step, loss, 1.0, True) == ("apply", "")
     action, reason = guard.verdict(7, float("nan"), 1.0, True)
     assert action == "rollback" and "non-finite loss nan at step 7" in reason
-    guard.plan_rollback(epoch=0, window_start=24)
+    guard.plan_rollback(epoch=0, start=24, end=28)
 
     restored = AnomalyGuard("rollback", patience=0, max_rollbacks=2, lr_factor=0.5, max_skipped=20)
     restored.load_state_dict(json.loads(json.dumps(guard.state_dict())))  # plain types only
     assert (restored.rollbacks, restored.lr_scale) == (1, 0.5)
-    assert restored.should_skip(0, 24) and not restored.should_skip(0, 16) and not restored.should_skip(1, 24)
+    assert restored.left_out == [(0, 24, 28)]
     assert "spike" in restored.verdict(8, 5.0, 1.0, True)[1]  # the detector's history came along
-    guard.plan_rollback(epoch=1, window_start=8)
-    restored.plan_rollback(epoch=1, window_start=8)
+    guard.plan_rollback(epoch=1, start=8, end=12)
+    restored.plan_rollback(epoch=1, start=8, end=12)
+    assert restored.left_out == guard.left_out == [(0, 24, 28), (1, 8, 12)]
     # the rollback budget continues where it was: the third bad step stops the run
     assert restored.verdict(9, float("nan"), 1.0, True)[0] == "stop"
 

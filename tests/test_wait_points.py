@@ -17,7 +17,7 @@ import torch
 
 from conftest import (FAULT_INJECTION_DIR, TINY_MODEL, assert_states_equal, child_env, events_of, launch_command,
                       resume_file, run_args, status_of, trace_of)
-from trainer.trainer_utils import optimizer_step
+from trainer.trainer_utils import Position, SkipBatchSampler, optimizer_step, steps_left, total_steps
 
 # (policy flags, world size, extra environment): 14 of the 19 steps; every schedule has fired by then.
 CASES = {
@@ -80,10 +80,10 @@ def fresh_optimizer(seed: int = 0):
     return model, torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.01, fused=True)
 
 
-def take_step(model, optimizer, gradient_scale: float = 1.0, skip: bool = False) -> None:
+def take_step(model, optimizer, gradient_scale: float = 1.0) -> None:
     (model(torch.ones(2, 4)).sum() * gradient_scale).backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optimizer_step(optimizer, torch.amp.GradScaler("cpu", enabled=False), grad_norm, skip=skip)
+    optimizer_step(optimizer, torch.amp.GradScaler("cpu", enabled=False), grad_norm)
     optimizer.zero_grad(set_to_none=True)
 
 
@@ -108,13 +108,26 @@ def test_a_step_with_a_non_finite_gradient_leaves_weights_moments_and_step_count
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), twin.state_dict().values()))
 
 
-def test_a_window_stepped_over_is_not_applied_and_a_finite_step_is():
-    model, optimizer = fresh_optimizer()
-    before = state_of(model, optimizer)
-    take_step(model, optimizer, skip=True)
-    assert all(torch.equal(v, before[0][k]) for k, v in model.state_dict().items()) and not optimizer.state
-    take_step(model, optimizer)
-    assert not torch.equal(model.weight, before[0]["weight"])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_window_left_out_after_a_rollback_is_never_handed_out_and_the_cursor_moves_past_it(world_size):
+    # 10 samples, 2 a step; a rollback left out the window [4, 6) and the epoch's last window [9, 10).
+    order, left_out = torch.arange(10).flip(0), [(4, 6), (9, 10)]
+    sampler = SkipBatchSampler(order, 2, 2, 1, 0, world_size, left_out)
+    windows = [sampler.step_window(s).tolist() for s in range(sampler.num_steps())]
+    assert windows == [[7, 6], [3, 2], [1]]  # positions 2-3, 6-7, 8: 5, 4 and 0 (positions 4, 5 and 9) left out
+    assert [sampler.step_end(s) for s in range(sampler.num_steps())] == [6, 8, 10]  # past what is left out
+    assert steps_left(10, 2, 2, left_out) == 3 and steps_left(10, 2, 2) == 4
+    # A resume from the cursor after the first step trains what the run would have trained next.
+    resumed = SkipBatchSampler(order, 6, 2, 1, 0, world_size, left_out)
+    assert [resumed.step_window(s).tolist() for s in range(resumed.num_steps())] == windows[1:]
+    everything_left_out = SkipBatchSampler(order, 8, 2, 1, 0, world_size, [(8, 10)])
+    assert everything_left_out.num_steps() == 0 and list(everything_left_out) == []
+
+
+def test_the_run_ends_a_step_earlier_for_each_window_left_out_in_the_epochs_ahead():
+    at = Position(epoch=0, samples_consumed=4, global_step=2)  # 10 samples, 2 a step, 2 epochs: to step 10
+    assert total_steps(at, 10, 2, 2) == 10
+    assert total_steps(at, 10, 2, 2, [(0, 6, 8), (1, 0, 2), (0, 0, 2)]) == 8  # (0, 0, 2) is behind the cursor
 
 
 def test_an_optimizer_that_cannot_skip_on_the_device_is_refused():

@@ -133,23 +133,23 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
                 saver: BackgroundSaver, ref_model) -> tuple[Position, bool]:  # grpo: + the frozen reference
     """Train from `at` to the epoch's end (False), a stop, --max_steps or the run's end (True); a rollback raises."""
     n, global_batch, rank, world_size = run.num_samples, run.global_batch, dist_info.rank, dist_info.world_size
-    sampler = SkipBatchSampler(epoch_order(args.seed, at.epoch, n), at.samples_consumed, global_batch,
-                               args.batch_size, rank, world_size)
+    epoch, last_step = at.epoch, total_steps(at, n, global_batch, args.epochs, policy.left_out)
+    # The anomaly policy acts here, between steps: after a rollback, a lower LR and the bad window left out
+    base_lr, left_out = args.learning_rate * policy.lr_scale, policy.left_out_of(epoch)
+    sampler = SkipBatchSampler(epoch_order(args.seed, epoch, n), at.samples_consumed, global_batch,
+                               args.batch_size, rank, world_size, left_out)
     # Its own generator: iter() draws a seed from the global RNG, which a resumed run would then not match.
     batches = iter(DataLoader(IndexedDataset(train_ds), batch_sampler=sampler, num_workers=args.num_workers,
                               pin_memory=dist_info.device.type == "cuda", worker_init_fn=loader_worker_ignores_stops,
-                              generator=torch.Generator().manual_seed(args.seed * 1_000_003 + at.epoch)))
+                              generator=torch.Generator().manual_seed(args.seed * 1_000_003 + epoch)))
     taken = []  # the steps since the host last read the device: (Step, its numbers, still on the device)
     for s in range(sampler.num_steps()):
         # ---- step N: the next global batch, split over ranks and micro-steps -------------------------
         micro_batches = [next(batches) for _ in range(sampler.micro_steps_per_step(s))]
-        window = len(sampler.step_window(s))
-        # Anomaly policy (optional): after a rollback a lower LR; a window that went wrong: LR 0, not applied
-        lr_scale, stepped_over = policy.before_step(at)
+        end = sampler.step_end(s)  # the data position once this step is taken
         # The LR at the position this step reaches, so the first step already trains.
-        progress = (at.epoch * n + at.samples_consumed + window) / (args.epochs * n)
-        lr = get_lr(progress, args.learning_rate, args.warmup_ratio) * lr_scale
-        on_device, local_tokens, watch = step_rollouts(unwrap(model), micro_batches, train_ds, args, at.epoch,  # grpo
+        lr = get_lr((epoch * n + end) / (args.epochs * n), base_lr, args.warmup_ratio)
+        on_device, local_tokens, watch = step_rollouts(unwrap(model), micro_batches, train_ds, args, epoch,  # grpo
                                                        autocast, dist_info.device)  # grpo
         # The loss is a sum over completion tokens divided by those of the WHOLE global batch  # grpo
         # (all ranks, all micro-steps), so the gradient does not depend on how the batch is split.
@@ -168,14 +168,14 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        # AdamW's step: skipped on the device, with no wait, where a gradient is not finite (or stepped_over)
-        optimizer_step(optimizer, scaler, grad_norm, skip=stepped_over)
+        # AdamW's step: skipped on the device, with no wait, where a gradient is not finite
+        optimizer_step(optimizer, scaler, grad_norm)
         optimizer.zero_grad(set_to_none=True)
         # Step N's numbers stay on the device: reading one (`.item()`) would make the host wait for the GPU.
-        taken.append((Step(at.global_step + 1, at.epoch, at.samples_consumed, lr, stepped_over,
+        taken.append((Step(at.global_step + 1, epoch, at.samples_consumed, end, lr,
                            *trained_samples(micro_batches)),  # (its sample indices, its input tokens)
                       [loss_sum, local_tokens, global_tokens, grad_norm]))
-        at = at.after(window, n)
+        at = at.after(end, n)  # a step skipped on the device too: its samples count as consumed
         tracker.step_taken(at.global_step)  # the first prints "first step done": a sign of life on a slow machine
         # ---- step N's log line, validation and save, at their intervals ------------------------------
         # The stop vote: a signal (SIGTERM, Ctrl-C) on any rank, or a failed background save (all ranks raise)? On
@@ -194,7 +194,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
                          "lr": step.lr, "grad_norm": numbers.grad_norm,  # grpo: what a user watches, prompts cut
                          **watched_metrics(watch, args.num_generations), "prompts_cut": train_ds.count_cut(  # grpo
                              sampler.step_window(s))},  # grpo
-                        at.global_step, total_steps(at, n, global_batch, args.epochs))
+                        at.global_step, last_step)
         if validate:
             tracker.validation(at.global_step, validation_loss(unwrap(model), val_ds, args.batch_size,
                                                                dist_info.device, autocast))
@@ -206,7 +206,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
             tracker.saved(at.global_step, kept, time.perf_counter() - started, saver.pop_blocked())  # blocked, by part
         if last:
             return at, True
-    return at, False
+    return Position(epoch + 1, 0, at.global_step), False  # `at` itself, unless a rollback left the epoch's end out
 
 
 def main() -> None:
@@ -265,7 +265,7 @@ def main() -> None:
                             args.tokenizer_path if args.save_hf else None, optimizer)  # rank 0 writes (fsdp: all)
     stop = StopRequest()  # SIGTERM / Ctrl-C: the step in progress finishes, is saved, and the run exits 0
     policy = AnomalyPolicy(args, tracker, not scaler.is_enabled(), state["anomaly"] if state else {}, log)  # memory
-    install_debug_injection(model, args.debug_inject, current_step=policy.step_in_progress)  # --debug_inject only
+    install_debug_injection(model, args.debug_inject, current_step=tracker.step_in_progress)  # --debug_inject only
     if args.use_compile and args.parallel == "ddp":  # (FSDP compiled each layer as it sharded it)
         model = torch.compile(model, backend=args.compile_backend)
     if world_size > 1 and args.parallel == "ddp":
@@ -279,14 +279,14 @@ def main() -> None:
                 at, stopped = train_epoch(args, at, model, optimizer, scaler, autocast, train_ds, val_ds, run,
                                           lm_config, dist_info, policy, stop, stop_at, tracker, saver,  # grpo
                                           ref_model)  # grpo
-            except Rollback as rollback:  # back to the newest checkpoint; the bad window is stepped over
+            except Rollback as rollback:  # back to the newest checkpoint; the bad window is left out from now on
                 optimizer.zero_grad(set_to_none=True)
                 finish_saves(saver)  # the newest checkpoint must be complete before we look for it
                 state = load_checkpoint(lm_config, args.save_weight, args.checkpoint_dir, run)
                 at = Position(*policy.rolled_back(rollback, state))  # no checkpoint yet: AnomalyStop
-                stop_at -= rollback.step.number - 1 - at.global_step  # (steps trained again count again)
+                stop_at -= rollback.step.number - 1 - at.global_step  # --max_steps counts the steps trained again too
                 restore_training_state(state, model, optimizer, scaler, rank, world_size)
-                tracker.rollback(at.global_step, total_steps(at, n, global_batch, args.epochs))
+                tracker.rollback(at.global_step, total_steps(at, n, global_batch, args.epochs, policy.left_out))
         # ---- 8. The end: the last save on disk, then the run's status ------------------------------
         finish_saves(saver)
         tracker.finish("stopped" if at.epoch < args.epochs else "completed")

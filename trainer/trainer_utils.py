@@ -67,17 +67,13 @@ def get_lr(progress: float, base_lr: float, warmup_ratio: float) -> float:
     return base_lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(decay, 1.0))))
 
 
-def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, grad_norm: torch.Tensor,
-                   skip: bool = False) -> None:
-    """AdamW's step, skipped on the device (the host does not wait) where, and only where: a gradient is not
+def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, grad_norm: torch.Tensor) -> None:
+    """AdamW's step, skipped on the device (the host does not wait) where, and only where, a gradient is not
     finite (`grad_norm` of the gradients all ranks share, so all skip alike; under fp16 GradScaler's own check),
-    as a non-finite loss makes it; or `skip`, a window the anomaly policy steps over after a rollback. A spike
-    is applied; the policy judges it at the next log line or save, before a checkpoint holds it."""
+    as a non-finite loss makes it. A spike is applied; the anomaly policy judges it at the next log line or save,
+    before a checkpoint holds it. A skipped step still moves the data position on: its samples count as consumed."""
     if not optimizer.defaults.get("fused"):
         raise ValueError("optimizer_step skips a step on the device: it needs AdamW(..., fused=True)")
-    if skip:
-        scaler.update()  # (fp16: the unscale_ of this step expects an update; otherwise it does nothing)
-        return
     if scaler.is_enabled():
         scaler.step(optimizer)  # fp16: skipped where unscale_ found an inf or NaN
     else:
@@ -95,8 +91,8 @@ class Step(NamedTuple):  # what the host knows of optimizer step N without askin
     number: int  # N: the global step (1 for the first step of a run)
     epoch: int
     start: int  # samples_consumed at the window's start
+    end: int  # and after it (past a window a rollback left out): [start, end) is what a rollback leaves out
     lr: float
-    stepped_over: bool  # its update was not applied: the anomaly policy steps over this window
     samples: list[int]  # the sample indices this rank trained in it
     input_tokens: int  # this rank's tokens, for tokens/s
 
@@ -141,28 +137,46 @@ def read_on_host(taken: list[tuple[Step, list[torch.Tensor]]]) -> list[tuple[Ste
 # run resumed on another world size continues at that cursor. The last step of an epoch may be
 # short; every rank still runs the same number of micro-steps (DDP needs that), and a rank without
 # data in a slot gets a placeholder row whose labels are all ignored: it adds nothing to the gradient.
+# After a rollback (--on_anomaly rollback) the window that went wrong is left out of `remaining`: the
+# steps after it train the samples after it, and the cursor moves past it.
 
 def epoch_order(seed: int, epoch: int, num_samples: int) -> torch.Tensor:
     """The permutation of sample indices for one epoch; depends only on (seed, epoch, num_samples)."""
     return torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
 
 
-def steps_left(num_samples: int, samples_consumed: int, global_batch: int) -> int:
+def kept_spans(samples_consumed: int, num_samples: int, left_out=()) -> list[tuple[int, int]]:
+    """The spans of the epoch's order still to train from the cursor: [samples_consumed, num_samples) less the
+    windows `left_out` ((start, end) spans, after a rollback), in order."""
+    spans, cursor = [], samples_consumed
+    for start, end in sorted(left_out):
+        if start > cursor:
+            spans.append((cursor, start))
+        cursor = max(cursor, end)
+    return spans + [(cursor, num_samples)] if cursor < num_samples else spans
+
+
+def steps_left(num_samples: int, samples_consumed: int, global_batch: int, left_out=()) -> int:
     """Optimizer steps still to take in an epoch (the last one may be a short window)."""
-    return math.ceil((num_samples - samples_consumed) / global_batch)
+    kept = sum(end - start for start, end in kept_spans(samples_consumed, num_samples, left_out))
+    return math.ceil(kept / global_batch)
 
 
 class SkipBatchSampler(Sampler[list[int]]):
-    """This rank's micro-batches for the rest of one epoch, from a sample cursor (sliced, never read), by step."""
+    """This rank's micro-batches for the rest of one epoch, from a sample cursor (sliced, never read), by step.
+    `left_out`: the (start, end) spans of the order a rollback left out (anomaly_policy.py); none, as a rule."""
 
     def __init__(self, order: torch.Tensor, samples_consumed: int, global_batch: int,
-                 batch_size: int, rank: int, world_size: int):
+                 batch_size: int, rank: int, world_size: int, left_out=()):
         if global_batch % (batch_size * world_size) != 0:
             raise ValueError(f"global batch {global_batch} is not a multiple of batch_size {batch_size} "
                              f"x world_size {world_size}")
         if not 0 <= samples_consumed <= len(order):
             raise ValueError(f"samples_consumed {samples_consumed} is outside the epoch of {len(order)} samples")
-        self.remaining = order[samples_consumed:]
+        self.spans = kept_spans(samples_consumed, len(order), left_out)  # one, unless a rollback left one out
+        pieces = [order[start:end] for start, end in self.spans] or [order[:0]]
+        self.remaining = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # as a rule a view of `order`
+        self.num_samples = len(order)
         self.global_batch, self.batch_size, self.rank, self.world_size = global_batch, batch_size, rank, world_size
 
     def num_steps(self) -> int:
@@ -171,6 +185,16 @@ class SkipBatchSampler(Sampler[list[int]]):
     def step_window(self, step: int) -> torch.Tensor:
         """The samples (of all ranks) that optimizer step `step` trains on."""
         return self.remaining[step * self.global_batch:(step + 1) * self.global_batch]
+
+    def step_end(self, step: int) -> int:
+        """The cursor after step `step`: the position in the epoch's order after its last sample (the epoch's end
+        after its last step, past a window left out there too)."""
+        trained = (step + 1) * self.global_batch  # samples of `remaining` trained once it is taken
+        for start, end in self.spans:
+            if trained < end - start:
+                return start + trained
+            trained -= end - start
+        return self.num_samples
 
     def micro_steps_per_step(self, step: int) -> int:
         # Rank 0 has the longest share of a short window, so its count is the one all ranks use.
@@ -235,10 +259,9 @@ class Position(NamedTuple):
     samples_consumed: int = 0  # the data position: the one number a resume trusts
     global_step: int = 0  # optimizer steps since the run began; trackers log against it
 
-    def after(self, window: int, num_samples: int) -> "Position":
-        """Once a step of `window` samples is taken (an epoch's last step starts the next)."""
-        consumed = self.samples_consumed + window
-        return Position(self.epoch + (consumed == num_samples), consumed % num_samples, self.global_step + 1)
+    def after(self, end: int, num_samples: int) -> "Position":
+        """Once a step that ends at cursor `end` is taken (an epoch's last step starts the next)."""
+        return Position(self.epoch + (end == num_samples), end % num_samples, self.global_step + 1)
 
 
 class RunSpec(NamedTuple):
@@ -251,10 +274,12 @@ class RunSpec(NamedTuple):
     resume_path: str | None = None  # None: the newest good checkpoint
 
 
-def total_steps(at: Position, num_samples: int, global_batch: int, epochs: int) -> int:
-    """The step the run will end at, from its position in the data."""
-    return at.global_step + steps_left(num_samples, at.samples_consumed, global_batch) + (
-        epochs - at.epoch - 1) * steps_left(num_samples, 0, global_batch)
+def total_steps(at: Position, num_samples: int, global_batch: int, epochs: int, left_out=()) -> int:
+    """The step the run will end at, from its position in the data. `left_out`: (epoch, start, end) windows a
+    rollback left out (AnomalyPolicy.left_out), not trained."""
+    return at.global_step + sum(steps_left(num_samples, at.samples_consumed if epoch == at.epoch else 0, global_batch,
+                                           [(start, end) for e, start, end in left_out if e == epoch])
+                                for epoch in range(at.epoch, epochs))
 
 
 def lm_checkpoint(lm_config: LMConfig, weight: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -295,8 +320,9 @@ def lm_checkpoint(lm_config: LMConfig, weight: str, model: torch.nn.Module, opti
             "train_args": resume_checks.plain(run.settings),
             "data_fingerprint": resume_checks.plain(run.data_fingerprint),  # path, size, lines, sha256
             # The anomaly guard's memory after this step: {"detector": {"losses", "grad_norms" (the last 20
-            # accepted), "best_loss", "best_step", "checks_since_best"}, "rollbacks", "lr_scale", "skip_windows",
-            # "skipped_in_a_row" (non-finite steps skipped since the last applied one; --max_skipped_steps)}
+            # accepted), "best_loss", "best_step", "checks_since_best"}, "rollbacks", "lr_scale", "left_out" (the
+            # [epoch, start, end] windows rollbacks left out of training), "skipped_in_a_row" (non-finite steps
+            # skipped since the last applied one; --max_skipped_steps)}
             "anomaly": resume_checks.plain(anomaly_state or {}),
             # The wandb / SwanLab run ids (None: not used). A resume hands them back to `init(id=..., resume="allow")`
             # (section 6 of the script: Tracker(..., tracker_ids=...)), so the curves continue in the same run.

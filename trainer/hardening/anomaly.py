@@ -9,15 +9,15 @@ without talking:
     "skip"      non-finite under --on_anomaly warn: its update was skipped on the device; keep training,
                 unless --max_skipped_steps steps in a row were skipped: then "stop", as the run no longer trains
     "stop"      --on_anomaly stop: exit non-zero with the reason, before any save holds the step
-    "rollback"  --on_anomaly rollback: reload the last good checkpoint (from before the step), and step
-                over this batch window when training reaches it again
+    "rollback"  --on_anomaly rollback: reload the last good checkpoint (from before the step), and leave
+                this batch window out of the epoch: the steps after the checkpoint train the samples around it
 
 When: a step whose gradients are not finite is skipped on the device before any verdict
 (trainer_utils.optimizer_step); the others are applied. The host judges every step later, in step
 order, where it waits for the device anyway (anomaly_policy.py): a log line, a validation, a save, the run's
 end. So a spike under `stop` ends the run before anything holds it, and under `rollback` the run goes
 back to a checkpoint from before it. A non-finite step is never applied. The guard's memory (history,
-rollbacks, windows to skip) is saved in every checkpoint, so a resume keeps it. `--debug_inject` shows
+rollbacks, windows left out) is saved in every checkpoint, so a resume keeps it. `--debug_inject` shows
 the policy at work.
 """
 
@@ -163,7 +163,7 @@ def install_debug_injection(model: torch.nn.Module, spec: str | None, current_st
 
 
 class AnomalyGuard:
-    """Applies the --on_anomaly policy to each step, and remembers which windows to step over."""
+    """Applies the --on_anomaly policy to each step, and remembers which windows a rollback left out."""
 
     def __init__(self, policy: str, patience: int, max_rollbacks: int, lr_factor: float, max_skipped: int,
                  spike_factor: float = 3.0):
@@ -172,7 +172,7 @@ class AnomalyGuard:
         self.detector = AnomalyDetector(spike_factor=spike_factor, patience=patience)
         self.rollbacks, self.lr_scale = 0, 1.0
         self.skipped_in_a_row = 0  # non-finite steps skipped under warn since the last one applied
-        self.skip_windows: set[tuple[int, int]] = set()  # (epoch, cursor at the window's start)
+        self.left_out: list[tuple[int, int, int]] = []  # (epoch, start, end): spans of that epoch's order
 
     def verdict(self, step: int, loss: float, grad_norm: float, gradients_finite_expected: bool) -> tuple[str, str]:
         """(action, reason). `gradients_finite_expected` is False under fp16 GradScaler, where an
@@ -205,18 +205,16 @@ class AnomalyGuard:
                         f"the weights have not changed since step {first - 1}; the latest: {reason}. Try a lower "
                         f"--learning_rate, look for broken samples in the data, or on a GPU --dtype float32")
 
-    def plan_rollback(self, epoch: int, window_start: int) -> None:
+    def plan_rollback(self, epoch: int, start: int, end: int) -> None:
+        """The LR lower from now on, and the window [start, end) of the epoch's order left out of training."""
         self.rollbacks += 1
         self.lr_scale *= self.lr_factor
-        self.skip_windows.add((epoch, window_start))
-
-    def should_skip(self, epoch: int, window_start: int) -> bool:
-        return (epoch, window_start) in self.skip_windows
+        self.left_out = sorted({*self.left_out, (epoch, start, end)})
 
     def state_dict(self) -> dict:
         """Plain types, so it fits in a `weights_only=True` checkpoint."""
         return {"detector": self.detector.state_dict(), "rollbacks": self.rollbacks, "lr_scale": self.lr_scale,
-                "skip_windows": sorted(list(w) for w in self.skip_windows), "skipped_in_a_row": self.skipped_in_a_row}
+                "left_out": [list(w) for w in self.left_out], "skipped_in_a_row": self.skipped_in_a_row}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue with a resumed run's memory; an older checkpoint without it starts afresh."""
@@ -224,6 +222,6 @@ class AnomalyGuard:
             return
         self.detector.load_state_dict(state["detector"])
         self.rollbacks, self.lr_scale = int(state["rollbacks"]), float(state["lr_scale"])
-        self.skip_windows = {(int(epoch), int(start)) for epoch, start in state["skip_windows"]}
+        self.left_out = [(int(epoch), int(start), int(end)) for epoch, start, end in state["left_out"]]
         # A checkpoint of a version before --max_skipped_steps did not count: its run starts counting afresh.
         self.skipped_in_a_row = int(state.get("skipped_in_a_row", 0))

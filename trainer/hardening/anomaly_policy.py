@@ -1,22 +1,26 @@
-"""The anomaly policy, --on_anomaly warn | stop | rollback: what the loop does about a bad step. Optional: the
-loop trains the same without it, and a first reading skips it. The loop enters it by three lines:
+"""The anomaly policy, --on_anomaly warn | stop | rollback: what the run does about a bad step. It acts between
+steps, never inside one: the step's math is the same with or without it, and a first reading skips it. The
+script meets it at three places, none of them in the step itself:
 
-    lr_scale, stepped_over = policy.before_step(at)   before step N: after a rollback the LR is scaled down
-                                                      (--rollback_lr_factor), and the window that went wrong is
-                                                      trained at LR 0 and not applied (stepped over)
-    policy.judge(step, numbers)                       where the host has read step N's numbers (the log line,
-                                                      a validation, a save): the verdict (anomaly.py); a bad step
-                                                      raises AnomalyStop (stop) or Rollback (rollback)
-    policy.rolled_back(rollback, state)               section 7, after a Rollback: the window to step over from
-                                                      now on, and the position of the checkpoint to go back to
+    policy.lr_scale, policy.left_out_of(epoch)   at the start of train_epoch (and again after a rollback): the
+                                                 LR multiplier (lower after each rollback, --rollback_lr_factor)
+                                                 and the windows of the epoch's order that a rollback left out,
+                                                 which SkipBatchSampler never hands out
+    policy.judge(step, numbers)                  where the host has read step N's numbers (the log line, a
+                                                 validation, a save): the verdict (anomaly.py); a bad step
+                                                 raises AnomalyStop (stop) or Rollback (rollback)
+    policy.rolled_back(rollback, state)          section 7, after a Rollback: the window to leave out from now
+                                                 on, and the position of the checkpoint to go back to
 
 It reads the numbers the loop keeps (trainer_utils.read_on_host); it does not own them. A non-finite step
 needs no verdict first: the optimizer skips it on the device (trainer_utils.optimizer_step). A spike is
 applied, and judged at the next wait, which always comes before a save: so no checkpoint holds a step the
 policy rejects. Under stop the run ends there, its newest checkpoint from before the spike; under rollback
-it goes back to that checkpoint and steps over the window that went wrong. The verdicts do not depend on how
-often the host waits: the same numbers, in the same order, against the same history (tests/test_wait_points.py).
-Its memory (history, rollbacks, windows to step over) is saved in every checkpoint (`state_dict`).
+train_epoch is left by the exception, the checkpoint loaded, and the epoch's loop entered again at its position
+with a sampler that leaves the window that went wrong out (as PaLM's restarts skip the batches around a spike).
+The verdicts do not depend on how often the host waits: the same numbers, in the same order, against the same
+history (tests/test_wait_points.py). Its memory (history, rollbacks, windows left out) is saved in every
+checkpoint (`state_dict`).
 """
 
 from __future__ import annotations
@@ -26,8 +30,6 @@ import math
 from typing import Callable
 
 from trainer.hardening.anomaly import NOT_TRAINING, AnomalyGuard, AnomalyStop
-
-STEPPED_OVER = "stepped over: this window caused an anomaly before a rollback"
 
 
 def stop_message(reason: str) -> str:
@@ -45,7 +47,7 @@ class Rollback(Exception):
 
 
 class AnomalyPolicy:
-    """--on_anomaly applied to each step read from the device, in step order, and the windows to step over."""
+    """--on_anomaly applied to each step read from the device, in step order, and the windows left out."""
 
     def __init__(self, args, tracker, gradients_finite_expected: bool, guard_state: dict,
                  log: Callable[[str], None]):
@@ -57,31 +59,28 @@ class AnomalyPolicy:
         spike_factor = math.inf if getattr(args, "num_generations", None) is not None else 3.0
         self.guard = AnomalyGuard(args.on_anomaly, args.patience, args.max_rollbacks, args.rollback_lr_factor,
                                   args.max_skipped_steps, spike_factor)
-        self.guard.load_state_dict(guard_state)  # its history, rollbacks and the windows to step over
+        self.guard.load_state_dict(guard_state)  # its history, rollbacks and the windows left out
         self.tracker, self.log, self.policy = tracker, log, args.on_anomaly
         self.finite_expected = gradients_finite_expected
-        self.next_step = 0  # the step whose forward and backward run now
 
-    def step_in_progress(self) -> int:
-        """The number of the step whose forward and backward run now (--debug_inject reads it)."""
-        return self.next_step
+    @property
+    def lr_scale(self) -> float:
+        """The LR multiplier: 1, times --rollback_lr_factor for each rollback so far."""
+        return self.guard.lr_scale
 
-    def before_step(self, at) -> tuple[float, bool]:
-        """(LR multiplier, stepped over) for the step from position `at` (trainer_utils.Position): the multiplier
-        is lower after each rollback, and 0 for a window that went wrong before a rollback: it is trained (the same
-        samples and RNG draws as before) and its update is not applied."""
-        self.next_step = at.global_step + 1
-        if not self.guard.should_skip(at.epoch, at.samples_consumed):
-            return self.guard.lr_scale, False
-        self.log(f"{STEPPED_OVER} (sample {at.samples_consumed} of epoch {at.epoch + 1})")
-        return 0.0, True
+    @property
+    def left_out(self) -> list[tuple[int, int, int]]:
+        """The windows rollbacks left out: (epoch, start, end), spans of that epoch's order (trainer_utils)."""
+        return self.guard.left_out
+
+    def left_out_of(self, epoch: int) -> list[tuple[int, int]]:
+        """The (start, end) spans of `epoch`'s order left out (SkipBatchSampler's `left_out`)."""
+        return [(start, end) for e, start, end in self.guard.left_out if e == epoch]
 
     def judge(self, step, numbers) -> tuple[str, str]:
         """(action, reason) for one step read from the device (trainer_utils.Step, StepNumbers): "apply", or
-        "skip" (its update was not applied: non-finite under warn, or stepped over). A bad step under stop or
-        rollback raises AnomalyStop or Rollback; the steps read after it are dropped."""
-        if step.stepped_over:  # it went wrong before a rollback: not applied this time, and not judged again
-            return "skip", STEPPED_OVER
+        "skip" (non-finite under warn: its update was not applied). A bad step under stop or rollback raises
+        AnomalyStop or Rollback; the steps read after it are dropped."""
         action, reason = self.guard.verdict(step.number, numbers.loss, numbers.grad_norm, self.finite_expected)
         if reason:
             self.log(f"anomaly: {reason} (--on_anomaly {self.policy}: {action})")
@@ -94,14 +93,14 @@ class AnomalyPolicy:
 
     def rolled_back(self, rollback: Rollback, state: dict | None) -> tuple[int, int, int]:
         """After a Rollback: `state` is the newest checkpoint (None: there is none). The window that went
-        wrong will be stepped over, and the LR scaled. Returns the position to go on from."""
+        wrong will be left out, and the LR scaled. Returns the position to go on from."""
         if state is None:
             raise AnomalyStop(f"{rollback.reason}; no checkpoint to roll back to yet (lower --save_interval)")
         step = rollback.step
-        self.guard.plan_rollback(step.epoch, step.start)
+        self.guard.plan_rollback(step.epoch, step.start, step.end)
         self.log(f"rollback {self.guard.rollbacks}/{self.guard.max_rollbacks}: back to step {state['global_step']}; "
-                 f"the window at sample {step.start} of epoch {step.epoch + 1} will be stepped over; lr scale now "
-                 f"{self.guard.lr_scale:g}")
+                 f"samples {step.start} to {step.end - 1} of epoch {step.epoch + 1}'s order will be left out; lr "
+                 f"scale now {self.guard.lr_scale:g}")
         return state["epoch"], state["samples_consumed"], state["global_step"]
 
     def state_dict(self) -> dict:

@@ -111,6 +111,11 @@ def checked_for_resume(state: dict, lm_config, run, log) -> dict:
     check_resume_compatible; logs what was adapted and where training continues."""
     if is_minimind_layout(state):
         state = from_minimind_layout(state, lm_config, run, log)
+    anomaly, old = state.get("anomaly") or {}, state.get("train_args") or {}
+    if "skip_windows" in anomaly:  # an older version's rollbacks: (epoch, start) of a window of its global batch
+        size = old["batch_size"] * old["world_size"] * old["accumulation_steps"]
+        anomaly["left_out"] = [[epoch, start, min(start + size, run.num_samples)]
+                               for epoch, start in anomaly.pop("skip_windows")]
     try:  # sizes no flag gives are the checkpoint's own, as with --from_weight's file
         lm_config = type(lm_config).from_dict({**state["lm_config"], **run.given_sizes})
     except (ValueError, TypeError) as error:

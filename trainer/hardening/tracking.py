@@ -262,7 +262,7 @@ class Tracker:
                                     start_step, is_main)
         self.peak, self.flops_per_token = peak_flops(device), model_flops_per_token
         self.started = self.last_log = time.perf_counter()
-        self.current_step = self.last_log_step = start_step
+        self.current_step = self.last_log_step = self.last_taken = start_step
         self.steps_done, self.tokens, self.saves, self.save_blocked_s = 0, 0, 0, 0.0
         self.save_parts_s: dict[str, float] = {}  # the blocked time by part, summed over this run's saves
         self.log_interval, self.async_save, self.first_taken = args.log_interval, bool(args.async_save), False
@@ -295,7 +295,11 @@ class Tracker:
         if self.is_main and not self.first_taken:
             print(f"first step done after {time.perf_counter() - self.started:.1f} s (step {step}; "
                   f"a log line every {self.log_interval} steps)", flush=True)
-        self.first_taken = True
+        self.first_taken, self.last_taken = True, step
+
+    def step_in_progress(self) -> int:
+        """The number of the step whose forward and backward run now (--debug_inject reads it)."""
+        return self.last_taken + 1
 
     def step(self, step, numbers, verdict: tuple[str, str]) -> None:
         """Every optimizer step, once the host has read its numbers (trainer_utils.Step, StepNumbers) and the
@@ -365,7 +369,7 @@ class Tracker:
 
     def rollback(self, step: int, total_steps: int) -> None:
         """Back at checkpoint `step`: the steps after it will be logged again."""
-        self.current_step = step
+        self.current_step = self.last_taken = step
         if self.files is not None:
             self.files.rollback(step, total_steps)
 
