@@ -33,15 +33,15 @@ from trainer.hardening.process_exit import cleanup_distributed, run_script
 from trainer.hardening.process_group import init_distributed
 from trainer.hardening.resume_checks import data_fingerprint, resume_settings
 from trainer.hardening.run_lock import claim_run_directories
-from trainer.hardening.sharding import no_sync, shard_model
+from trainer.hardening.sharding import shard_model
 from trainer.hardening.stopping import StopRequest, end_of_run, loader_worker_ignores_stops
 from trainer.hardening.tracking import Tracker, flops_per_token, validation_loss, watched_metrics  # grpo
 from trainer.trainer_utils import (REPO_ROOT, IndexedDataset, Position, RunSpec, SkipBatchSampler, Step, epoch_order,
                                    frozen_model,  # grpo
                                    get_lr, given_sizes, init_model, lm_checkpoint, load_checkpoint,
-                                   model_config, optimizer_step, rank0_logger, read_on_host, resolve_accumulation,
-                                   restore_training_state, run_name, setup_seed, sum_over_ranks, total_steps,
-                                   trained_samples, unwrap)
+                                   model_config, no_sync, optimizer_step, rank0_logger, read_on_host,
+                                   resolve_accumulation, restore_training_state, run_name, setup_seed,
+                                   sum_over_ranks, total_steps, trained_samples, unwrap)
 
 
 def parse_args() -> argparse.Namespace:

@@ -1,19 +1,24 @@
 """The one helper module the training scripts call, as in minimind. Read it after the script.
 
     1. running         REPO_ROOT, sums over ranks, logger, seeds (joining torchrun: hardening/process_group.py)
-    2. the step        get_lr (follows the position in the data), optimizer_step (what skips a step), Step and
-                       read_on_host (step N's numbers, kept on the device, read at the log line in one transfer)
-    3. data order      samples_consumed -> SkipBatchSampler: which samples each rank trains, in what order
+    2. the step        get_lr (follows the position in the data), no_sync (gradient sync on the last micro-step),
+                       optimizer_step (what skips a step), Step and read_on_host (step N's numbers, kept on the
+                       device, read at the log line in one transfer)
+    3. data order      resolve_accumulation (the global batch), samples_consumed -> SkipBatchSampler: which
+                       samples each rank trains, in what order
     4. model           the model from flags, from --from_weight's file, or from the checkpoint
-    5. checkpoints     lm_checkpoint saves (the commented `_resume.pth` dict; the FP16 out/ file in
-                       write_checkpoint_files); load_checkpoint finds the newest good one and checks it
-The production hardening sits behind one call each in trainer/hardening/, which a first reading skips.
+    5. checkpoints     lm_checkpoint saves (the commented `_resume.pth` dict, the RNG states, the FP16 out/ file
+                       in write_checkpoint_files); load_checkpoint finds the newest good one, checks it and applies
+                       the GPU-count rule (gpu_count_rule)
+Every number of a step is computed here or in the script: what the scripts call in trainer/hardening/ (durable
+writes, the lock, metrics, the stop signal, flag checks, the anomaly policy between steps) changes none of them.
 """
 
 from __future__ import annotations
 
 import math
 import random
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
@@ -27,9 +32,8 @@ from model.hf import export_hf
 from model.model import CausalLM, LMConfig
 from trainer.hardening import checkpoint_io, resume_checks, sharding
 from trainer.hardening.background_save import BackgroundSaver
-from trainer.hardening.flag_checks import resolve_accumulation  # noqa: F401 (the scripts' batch geometry)
-from trainer.hardening.from_weight import frozen_model, given_sizes, load_from_weight, model_config  # noqa: F401
-from trainer.hardening.rng_state import capture_rng_state, restore_rng_state
+from trainer.hardening.flag_checks import check_fits_in_memory
+from trainer.hardening.from_weight import SIZE_FLAGS, frozen_model, load_from_weight  # noqa: F401 (frozen_model)
 from trainer.hardening.run_lock import raise_if_lock_lost
 from trainer.hardening.save_on_ranks import gather_rng_states, raise_on_every_rank
 
@@ -52,8 +56,7 @@ def rank0_logger(is_main: bool) -> Callable[[str], None]:
 def setup_seed(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
-    torch.manual_seed(seed)
-    torch.cuda.manual_seed_all(seed)
+    torch.manual_seed(seed)  # every device's generator, each GPU's too
 
 
 # ---- 2. the step: its LR, what skips it, its numbers -------------------------------------------
@@ -67,11 +70,28 @@ def get_lr(progress: float, base_lr: float, warmup_ratio: float) -> float:
     return base_lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(decay, 1.0))))
 
 
+@contextmanager
+def no_sync(model: torch.nn.Module, accumulate_only: bool = True) -> Iterator[None]:
+    """A micro-step whose gradients are only accumulated, not yet all-reduced: DDP's no_sync (FSDP: its switch).
+    With `accumulate_only` False (the last micro-step of a step) it changes nothing: the gradients are reduced,
+    once per step instead of once per micro-step. A model in one process has nothing to reduce."""
+    if not accumulate_only or not sharding.is_sharded(model) and not hasattr(model, "no_sync"):
+        yield
+    elif not sharding.is_sharded(model):
+        with model.no_sync():
+            yield
+    else:
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+
 def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, grad_norm: torch.Tensor) -> None:
-    """AdamW's step, skipped on the device (the host does not wait) where, and only where, a gradient is not
-    finite (`grad_norm` of the gradients all ranks share, so all skip alike; under fp16 GradScaler's own check),
-    as a non-finite loss makes it. A spike is applied; the anomaly policy judges it at the next log line or save,
-    before a checkpoint holds it. A skipped step still moves the data position on: its samples count as consumed."""
+    """AdamW's step, skipped on the device (no wait) where, and only where, a gradient is not finite (`grad_norm`:
+    of the gradients all ranks share, so all skip alike; fp16: GradScaler's check). A skipped step's samples still
+    count as consumed. A spike is applied: the anomaly policy judges it at the next read, before a save holds it."""
     if not optimizer.defaults.get("fused"):
         raise ValueError("optimizer_step skips a step on the device: it needs AdamW(..., fused=True)")
     if scaler.is_enabled():
@@ -137,8 +157,19 @@ def read_on_host(taken: list[tuple[Step, list[torch.Tensor]]]) -> list[tuple[Ste
 # run resumed on another world size continues at that cursor. The last step of an epoch may be
 # short; every rank still runs the same number of micro-steps (DDP needs that), and a rank without
 # data in a slot gets a placeholder row whose labels are all ignored: it adds nothing to the gradient.
-# After a rollback (--on_anomaly rollback) the window that went wrong is left out of `remaining`: the
-# steps after it train the samples after it, and the cursor moves past it.
+
+def resolve_accumulation(batch_size: int, world_size: int, accumulation_steps: int,
+                         global_batch_size: int | None) -> tuple[int, int]:
+    """(accumulation_steps, global batch G). With --global_batch_size, accumulation is derived from it, so a step
+    trains the same G samples on any GPU count; without, G = batch_size x world_size x accumulation_steps."""
+    if global_batch_size is None:
+        return accumulation_steps, batch_size * world_size * accumulation_steps
+    per_micro_step = batch_size * world_size
+    if global_batch_size % per_micro_step != 0:
+        raise resume_checks.ConfigError(f"--global_batch_size {global_batch_size} is not a multiple of batch_size "
+                                        f"x world_size = {per_micro_step}; choose a global batch or batch size to fit")
+    return global_batch_size // per_micro_step, global_batch_size
+
 
 def epoch_order(seed: int, epoch: int, num_samples: int) -> torch.Tensor:
     """The permutation of sample indices for one epoch; depends only on (seed, epoch, num_samples)."""
@@ -146,8 +177,7 @@ def epoch_order(seed: int, epoch: int, num_samples: int) -> torch.Tensor:
 
 
 def kept_spans(samples_consumed: int, num_samples: int, left_out=()) -> list[tuple[int, int]]:
-    """The spans of the epoch's order still to train from the cursor: [samples_consumed, num_samples) less the
-    windows `left_out` ((start, end) spans, after a rollback), in order."""
+    """[samples_consumed, num_samples) of the epoch's order less the (start, end) spans `left_out`, as spans."""
     spans, cursor = [], samples_consumed
     for start, end in sorted(left_out):
         if start > cursor:
@@ -173,10 +203,9 @@ class SkipBatchSampler(Sampler[list[int]]):
                              f"x world_size {world_size}")
         if not 0 <= samples_consumed <= len(order):
             raise ValueError(f"samples_consumed {samples_consumed} is outside the epoch of {len(order)} samples")
-        self.spans = kept_spans(samples_consumed, len(order), left_out)  # one, unless a rollback left one out
+        self.spans, self.num_samples = kept_spans(samples_consumed, len(order), left_out), len(order)  # 1 span, or 2+
         pieces = [order[start:end] for start, end in self.spans] or [order[:0]]
         self.remaining = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # as a rule a view of `order`
-        self.num_samples = len(order)
         self.global_batch, self.batch_size, self.rank, self.world_size = global_batch, batch_size, rank, world_size
 
     def num_steps(self) -> int:
@@ -187,8 +216,7 @@ class SkipBatchSampler(Sampler[list[int]]):
         return self.remaining[step * self.global_batch:(step + 1) * self.global_batch]
 
     def step_end(self, step: int) -> int:
-        """The cursor after step `step`: the position in the epoch's order after its last sample (the epoch's end
-        after its last step, past a window left out there too)."""
+        """The cursor after step `step`: past its last sample and any window left out after it (its last: the end)."""
         trained = (step + 1) * self.global_batch  # samples of `remaining` trained once it is taken
         for start, end in self.spans:
             if trained < end - start:
@@ -213,14 +241,25 @@ class SkipBatchSampler(Sampler[list[int]]):
 
 # ---- 4. model ----------------------------------------------------------------------------------
 
+def given_sizes(args) -> dict:
+    """The size flags given on the command line (the others are None: the weights file's, or LMConfig's default)."""
+    sizes = {name: getattr(args, name) for name in SIZE_FLAGS if getattr(args, name) is not None}
+    return {**sizes, "use_moe": bool(sizes.get("use_moe", 0))}
+
+
+def model_config(args, vocab_size: int) -> LMConfig:
+    """The model the size flags describe, for a tokenizer of `vocab_size` tokens."""
+    lm_config = LMConfig(vocab_size=vocab_size, **given_sizes(args))
+    check_fits_in_memory(lm_config, args)  # one that cannot fit is refused now, before anything is allocated
+    return lm_config
+
+
 def init_model(args, lm_config: LMConfig, log: Callable[[str], None],
                resume_state: dict | None = None) -> tuple[CausalLM, LMConfig]:
     """The model to train: the checkpoint's when resuming (weights restored in section 5), else --from_weight's
     (its sizes read from the file: hardening/from_weight.py), or one of `lm_config` with random weights."""
-    if resume_state is not None:
-        lm_config = LMConfig.from_dict(resume_state["lm_config"])  # load_checkpoint checked it against the flags
-        return CausalLM(lm_config), lm_config
-    if args.from_weight == "none":
+    if resume_state is not None or args.from_weight == "none":  # (load_checkpoint checked the saved config)
+        lm_config = LMConfig.from_dict(resume_state["lm_config"]) if resume_state is not None else lm_config
         return CausalLM(lm_config), lm_config
     model = load_from_weight(args, lm_config.vocab_size, log)
     return model, model.config
@@ -239,6 +278,18 @@ def run_name(weight: str, lm_config: LMConfig) -> str:
 
 # ---- 5. checkpoints: `out/{run}.pth` (FP16, for inference) and `checkpoints/{run}_resume.pth` ---------
 
+def capture_rng_state() -> dict:
+    """Every RNG this process draws from (dropout, loader workers, anything seeded globally), weights_only-loadable."""
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    py_version, py_state, py_gauss = random.getstate()
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "numpy": {"kind": np_kind, "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
+                      "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss)},
+            "python": {"version": py_version, "state": torch.tensor(py_state, dtype=torch.int64),
+                       "gauss_next": py_gauss}}
+
+
 def restore_training_state(state: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                            scaler: torch.amp.GradScaler, rank: int, world_size: int) -> None:
     """Weights, optimizer, scaler and (on the same world size only) this rank's RNG from `state`."""
@@ -249,8 +300,15 @@ def restore_training_state(state: dict, model: torch.nn.Module, optimizer: torch
         optimizer.load_state_dict(state["optimizer"])
     if state["scaler"] is not None:
         scaler.load_state_dict(state["scaler"])
-    if len(state["rng"]) == world_size:  # on another world size every rank keeps its fresh seed
-        restore_rng_state(state["rng"][rank])  # torch, cuda, numpy, python: bit-identical dropout and draws
+    if len(state["rng"]) == world_size:  # this rank's RNGs, as capture_rng_state saved them (on another world
+        rng = state["rng"][rank]          # size every rank keeps its fresh seed): the same draws as without a stop
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        n, py = rng["numpy"], rng["python"]
+        np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                             n["cached_gaussian"]))
+        random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss_next"]))
 
 
 class Position(NamedTuple):
@@ -275,8 +333,7 @@ class RunSpec(NamedTuple):
 
 
 def total_steps(at: Position, num_samples: int, global_batch: int, epochs: int, left_out=()) -> int:
-    """The step the run will end at, from its position in the data. `left_out`: (epoch, start, end) windows a
-    rollback left out (AnomalyPolicy.left_out), not trained."""
+    """The step the run ends at, from its position in the data, less the (epoch, start, end) windows `left_out`."""
     return at.global_step + sum(steps_left(num_samples, at.samples_consumed if epoch == at.epoch else 0, global_batch,
                                            [(start, end) for e, start, end in left_out if e == epoch])
                                 for epoch in range(at.epoch, epochs))
@@ -307,10 +364,8 @@ def lm_checkpoint(lm_config: LMConfig, weight: str, model: torch.nn.Module, opti
             "samples_consumed": position.samples_consumed,  # the data position: the one number resume trusts
             "global_step": position.global_step,  # optimizer steps since the run began; trackers log against it
             "world_size": len(rng_states), "lr": optimizer.param_groups[0]["lr"],
-            # One entry per rank (capture_rng_state): {"torch": CPU generator state, "cuda": [one per GPU],
-            # "numpy": {"kind", "keys", "pos", "has_gauss", "cached_gaussian"}, "python": {"version", "state",
-            # "gauss_next"}}. A resume on the same world size restores each rank's own (restore_training_state).
-            "rng": rng_states,
+            # Each rank's capture_rng_state() ({"torch", "cuda", "numpy", "python"}), in rank order; a resume on the
+            "rng": rng_states,  # same world size restores each rank's own (restore_training_state)
             # What resume_checks compares, to refuse a resume that would not continue this run:
             "lm_config": resume_checks.plain(lm_config.to_dict()),  # LMConfig's fields: sizes, vocab, rope, MoE
             # {"batch_size", "accumulation_steps", "global_batch_size", "world_size", "epochs", "seed",
@@ -371,5 +426,25 @@ def load_checkpoint(lm_config: LMConfig, weight: str, checkpoint_dir: str, run: 
         return None
     # A minimind file (a step count, no sample cursor) is converted; a resume that changed the model, data or
     # settings is refused with a diff (resume_checks.py). No step is rescaled to this GPU count: the position is
-    # samples_consumed, the same on any (section 3). An older file's "step" label (steps into the epoch): unread.
-    return resume_checks.checked_for_resume(state, lm_config, run, log)
+    # samples_consumed, the same on any (section 3), and gpu_count_rule says what another GPU count may change.
+    state = resume_checks.checked_for_resume(state, lm_config, run, log)
+    resume_checks.refuse_or_note(*gpu_count_rule(state["train_args"], run.settings), log)  # (problems: exit 2)
+    log(resume_checks.resume_summary(state, run.settings["world_size"], run.global_batch))
+    return state
+
+
+def gpu_count_rule(old: dict, new: dict) -> tuple[list[str], list[str]]:
+    """What a resume on another GPU count may change, from the checkpoint's `train_args` and this run's: (problems,
+    notes). With --global_batch_size G (the same G before and after), any split of G over GPUs and micro-steps
+    continues the run exactly. Without it batch_size and accumulation_steps must stay, and G moves with the GPUs."""
+    fixed = old["global_batch_size"] is not None or new["global_batch_size"] is not None
+    keys = ("global_batch_size",) if fixed else ("batch_size", "accumulation_steps")
+    problems = [f"  args.{key}: checkpoint has {old[key]!r}, this run has {new[key]!r}" for key in keys
+                if old[key] != new[key]]
+    before, after = ("x".join(str(s[key]) for key in ("batch_size", "world_size", "accumulation_steps"))
+                     for s in (old, new))
+    if before == after:
+        return problems, []
+    what = f"global batch {new['global_batch_size']} kept" if fixed else \
+        "global batch changes with the world size (pass --global_batch_size to keep it fixed)"
+    return problems, [f"{what}: batch_size x world_size x accumulation {before} -> {after}"]

@@ -441,16 +441,3 @@ def available_memory(device: torch.device) -> tuple[int, str]:
 
 def gib(size: int) -> str:
     return f"{size / 2**30:,.1f} GiB" if size < 2**1000 else "over 2**1000 bytes"  # (--batch_size 10**400: no float)
-
-
-def resolve_accumulation(batch_size: int, world_size: int, accumulation_steps: int,
-                         global_batch_size: int | None) -> tuple[int, int]:
-    """(accumulation_steps, global batch). With --global_batch_size, accumulation is derived from it."""
-    if global_batch_size is None:
-        return accumulation_steps, batch_size * world_size * accumulation_steps
-    per_micro_step = batch_size * world_size
-    if global_batch_size % per_micro_step != 0:
-        raise ConfigError(f"--global_batch_size {global_batch_size} is not a multiple of batch_size "
-                          f"{batch_size} x world_size {world_size} = {per_micro_step}; choose a global batch "
-                          f"or batch size so that it divides")
-    return global_batch_size // per_micro_step, global_batch_size

@@ -1,7 +1,6 @@
-"""The model a run starts from: its sizes from the flags, or from --from_weight's file.
+"""The model a run starts from --from_weight's file (trainer_utils.model_config: the one the size flags describe).
 
-`model_config` is the model the size flags describe, refused before anything is allocated if it cannot fit
-(flag_checks.check_fits_in_memory). `load_from_weight` reads --from_weight's file and takes the sizes from its
+`load_from_weight` reads --from_weight's file and takes the sizes from its
 tensors, so minimind's files (or ours of any shape) need no size flags; size flags given are checked against
 it, and a mismatch names both. `frozen_model` is that model with every weight frozen: LoRA's base and DPO's
 reference, named in a checkpoint by the file's hash instead of a copy of its weights.
@@ -15,26 +14,11 @@ from typing import Callable
 from model.weights import load_project_weights
 from model.model import CausalLM, LMConfig
 from trainer.hardening.durable_files import sha256_of
-from trainer.hardening.flag_checks import check_fits_in_memory
 from trainer.hardening.resume_checks import ConfigError
 
 # The flags that shape the model; None means "not given" (the model's default applies).
 SIZE_FLAGS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "use_moe",
               "intermediate_size", "num_experts", "num_experts_per_tok")
-
-
-def given_sizes(args) -> dict:
-    """The size flags given on the command line (the others are None)."""
-    sizes = {name: getattr(args, name) for name in SIZE_FLAGS if getattr(args, name) is not None}
-    return {**sizes, "use_moe": bool(sizes.get("use_moe", 0))}
-
-
-def model_config(args, vocab_size: int) -> LMConfig:
-    """The model the size flags describe, for a tokenizer of `vocab_size` tokens; one that cannot fit in the
-    device's memory is refused here, before anything is allocated or any directory made (ConfigError)."""
-    lm_config = LMConfig(vocab_size=vocab_size, **given_sizes(args))
-    check_fits_in_memory(lm_config, args)
-    return lm_config
 
 
 def from_weight_path(args) -> Path:

@@ -2,8 +2,8 @@
 
 A resume continues the run exactly only if the model config, the data file and the settings that decide
 which samples form a step and the LR curve are unchanged. `check_resume_compatible` refuses any other
-change with a diff naming each field, and says what it adapted (a new world size under a fixed
---global_batch_size). Called once, from trainer_utils.load_checkpoint (checked_for_resume).
+change with a diff naming each field. Called once, from trainer_utils.load_checkpoint (checked_for_resume),
+which then applies the GPU-count rule (trainer_utils.gpu_count_rule: what another world size may change).
 """
 
 from __future__ import annotations
@@ -83,26 +83,24 @@ def check_resume_compatible(saved: dict, lm_config: dict, fingerprint: dict, tra
     old = saved["train_args"]
     # A setting missing on either side (an older checkpoint, a caller without the flag) had its default.
     problems += _diff("args", {**SETTING_DEFAULTS, **old}, {**SETTING_DEFAULTS, **train_args}, FIXED_TRAINING_ARGS)
-    if old["global_batch_size"] is not None or train_args["global_batch_size"] is not None:
-        # A fixed global batch makes every step the same set of samples, whatever the split.
-        problems += _diff("args", old, train_args, ("global_batch_size",))
-        if old["batch_size"] != train_args["batch_size"] or old["world_size"] != train_args["world_size"]:
-            notes.append(f"global batch {train_args['global_batch_size']} kept: batch_size x world_size x "
-                         f"accumulation {old['batch_size']}x{old['world_size']}x{old['accumulation_steps']} -> "
-                         f"{train_args['batch_size']}x{train_args['world_size']}x{train_args['accumulation_steps']}")
-    else:
-        problems += _diff("args", old, train_args, ("batch_size", "accumulation_steps"))
-        if old["world_size"] != train_args["world_size"]:
-            notes.append(f"global batch changes with the world size: "
-                         f"{old['batch_size'] * old['world_size'] * old['accumulation_steps']} -> "
-                         f"{train_args['batch_size'] * train_args['world_size'] * train_args['accumulation_steps']} "
-                         f"samples per step (pass --global_batch_size to keep it fixed)")
+    refuse(problems)
+    return notes
+
+
+def refuse(problems: list[str]) -> None:
+    """ResumeMismatch listing the `problems` (each field that differs, with both values), if there are any."""
     if problems:
         raise ResumeMismatch(
             "cannot resume: the checkpoint was made with other settings:\n" + "\n".join(problems) +
             "\nRun with the checkpoint's settings, or start a new run (another --save_weight or "
             "--checkpoint_dir) instead of --from_resume 1.")
-    return notes
+
+
+def refuse_or_note(problems: list[str], notes: list[str], log) -> None:
+    """refuse(problems); then each note logged (what the resume adapted)."""
+    refuse(problems)
+    for note in notes:
+        log(f"resume: {note}")
 
 
 def checked_for_resume(state: dict, lm_config, run, log) -> dict:
@@ -122,7 +120,6 @@ def checked_for_resume(state: dict, lm_config, run, log) -> dict:
         raise ConfigError(f"{state['resumed_from']}: its model config does not fit this version ({error})")
     for note in check_resume_compatible(state, lm_config.to_dict(), run.data_fingerprint, run.settings):
         log(f"resume: {note}")
-    log(resume_summary(state, run.settings["world_size"], run.global_batch))
     return state
 
 

@@ -29,9 +29,8 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -94,25 +93,6 @@ def is_sharded(model: torch.nn.Module) -> bool:
 def whole(tensor: torch.Tensor) -> torch.Tensor:
     """A plain tensor: FSDP's grad norm is a DTensor (the norm of all slices, the same on every rank)."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
-@contextmanager
-def no_sync(model: torch.nn.Module, accumulate_only: bool = True) -> Iterator[None]:
-    """A micro-step whose gradients are only accumulated, not yet reduced: DDP's no_sync, or FSDP's switch.
-    With `accumulate_only` False (the last micro-step of a step) it changes nothing: the gradients are reduced.
-    A model in one process has nothing to reduce."""
-    if not accumulate_only or not is_sharded(model) and not hasattr(model, "no_sync"):
-        yield
-        return
-    if not is_sharded(model):
-        with model.no_sync():
-            yield
-        return
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
 
 
 def _sharded_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
