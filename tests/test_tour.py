@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, project_python_files
 
 TOURS = ("docs/tour.md", "docs/zh/tour.md")
 SECTION = {"docs/tour.md": ("## Read the code", "**Exercises.**"), "docs/zh/tour.md": ("## 先读代码", "**练习。**")}
@@ -74,12 +74,8 @@ def stops(tour: str) -> list[str]:
     """The fast path and each numbered stop: the blocks before the exercises, each starting with a bold title."""
     text = tour_text(tour)
     text = text[:text.index(SECTION[tour][1])]
-    return [block for block in re.split(r"\n(?=\d+\. \*\*|\*\*)", text) if block.lstrip("0123456789. ").startswith("**")]
-
-
-def tracked_files() -> list[str]:
-    listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, check=True).stdout
-    return [name for name in listed.split("\0") if name and (REPO / name).is_file()]
+    blocks = re.split(r"\n(?=\d+\. \*\*|\*\*)", text)
+    return [block for block in blocks if block.lstrip("0123456789. ").startswith("**")]
 
 
 def resolve(name: str, folder: Path) -> Path:
@@ -89,7 +85,7 @@ def resolve(name: str, folder: Path) -> Path:
         return REPO / name
     if (folder / name).is_file():
         return folder / name
-    same = [REPO / path for path in tracked_files() if Path(path).name == name]
+    same = [path for path in project_python_files() if path.name == name]
     assert len(same) == 1, f"the tour names {name}: {len(same)} files have that name, name one by its path"
     return same[0]
 
@@ -104,7 +100,8 @@ def quoted_code(block: str) -> list[tuple[str, str]]:
             folder = file.parent
         elif re.fullmatch(r"[\w/.-]+/", token) and (REPO / token).is_dir():
             folder = REPO / token
-        elif "::" in token or re.fullmatch(r"[\w/.*{}-]+\.(pth|png|json|jsonl|md)|\S*/\S*", token) or not token.isascii():
+        elif "::" in token or not token.isascii() or re.fullmatch(r"[\w/.*{}-]+\.(pth|png|json|jsonl|md)|\S*/\S*",
+                                                                    token):
             continue
         else:
             assert file is not None, f"`{token}` is quoted before the block names its file:\n{block}"
@@ -165,7 +162,8 @@ def test_each_exercise_breaks_its_file_in_one_place_and_runs_a_test_a_default_ru
 
 def scratch_copy(to: Path) -> Path:
     """The clone's tracked files as they are in the working tree (no venv, no run's outputs)."""
-    for name in tracked_files():
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    for name in (name for name in listed.split("\0") if name and (REPO / name).is_file()):
         (to / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO / name, to / name)
     return to
@@ -189,8 +187,8 @@ def finish(job: subprocess.Popen, clone: Path) -> tuple[int, str, str]:
 
 
 @pytest.mark.skipif(os.environ.get("TRAINER_SLOW_TESTS") != "1",
-                    reason="each exercise's test twice, about 5 minutes on two CPU cores; set TRAINER_SLOW_TESTS=1 "
-                           "to run it (.ci/run does)")
+                    reason="each exercise's test twice, side by side: about 3 minutes for the eight with -n 2; "
+                           "set TRAINER_SLOW_TESTS=1 to run it (.ci/run does)")
 @pytest.mark.parametrize("number", range(1, 9))
 def test_each_exercise_passes_as_printed_and_fails_once_broken(number, tmp_path):
     exercise = exercises(TOURS[0])[number - 1]
