@@ -161,7 +161,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
         on_device = [(x.to(dist_info.device, non_blocking=True), y.to(dist_info.device, non_blocking=True))
                      for _, x, y in micro_batches]
         # The loss is a sum over pairs divided by the real pairs in the WHOLE global batch  # dpo
-        # (all ranks, all micro-steps), so the gradient does not depend on how the batch is split.
+        # (all ranks, all micro-steps), so the gradient does not depend on how the batch is split (MoE aside: below).
         local_pairs = sum(real_pairs(y).sum() for _, y in on_device).double()  # dpo
         global_pairs = sum_over_ranks(local_pairs.clone())  # dpo
         loss_scale = world_size / global_pairs.clamp(min=1.0)  # dpo: x world_size, as DDP averages over ranks
@@ -171,7 +171,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
             with no_sync(model, accumulate_only=i < len(on_device) - 1):
                 with autocast:
                     losses, _, aux_loss = pair_losses(model, ref_model, input_ids, labels, args.beta)  # dpo
-                    loss = losses.sum() * loss_scale + aux_loss / len(on_device)  # dpo
+                    loss = losses.sum() * loss_scale + aux_loss / len(on_device)  # dpo: MoE's, per micro-batch
                 scaler.scale(loss).backward()
             loss_sum += losses.detach().sum().double()  # dpo
         scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
@@ -256,7 +256,7 @@ def main() -> None:
     scaler = torch.amp.GradScaler("cuda", enabled=use_cuda and dtype == torch.float16)
 
     # ---- 5. Resume: weights, optimizer, RNG and the data position (load_checkpoint checked the rest)
-    setup_seed(args.seed + rank)  # ranks differ in dropout noise; a resume on the same world size restores it
+    setup_seed(args.seed + rank)  # a random stream per rank (dropout is 0: the step draws nothing from it)
     at = Position()  # epoch 0, no sample consumed, no step taken
     if state is not None:
         restore_training_state(state, model, optimizer, scaler, rank, world_size)

@@ -111,7 +111,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
         on_device = [(x.to(dist_info.device, non_blocking=True), y.to(dist_info.device, non_blocking=True))
                      for _, x, y in micro_batches]
         # The loss is a sum over tokens divided by the tokens with a label in the WHOLE global batch
-        # (all ranks, all micro-steps), so the gradient does not depend on how the batch is split.
+        # (all ranks, all micro-steps), so the gradient does not depend on how the batch is split (MoE aside: below).
         local_tokens = sum((y[:, 1:] != -100).sum() for _, y in on_device).double()
         global_tokens = sum_over_ranks(local_tokens.clone())
         loss_scale = world_size / global_tokens.clamp(min=1.0)  # x world_size: DDP averages over ranks
@@ -121,7 +121,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
             with no_sync(model, accumulate_only=i < len(on_device) - 1):
                 with autocast:
                     out = model(input_ids, labels=labels, loss_reduction="sum")
-                    loss = out.loss * loss_scale + out.aux_loss / len(on_device)
+                    loss = out.loss * loss_scale + out.aux_loss / len(on_device)  # MoE balance: a micro-batch mean
                 scaler.scale(loss).backward()
             loss_sum += out.loss.detach().double()
         scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
@@ -204,7 +204,7 @@ def main() -> None:
     scaler = torch.amp.GradScaler("cuda", enabled=use_cuda and dtype == torch.float16)
 
     # ---- 5. Resume: weights, optimizer, RNG and the data position (load_checkpoint checked the rest)
-    setup_seed(args.seed + rank)  # ranks differ in dropout noise; a resume on the same world size restores it
+    setup_seed(args.seed + rank)  # a random stream per rank (dropout is 0: the step draws nothing from it)
     at = Position()  # epoch 0, no sample consumed, no step taken
     if state is not None:
         restore_training_state(state, model, optimizer, scaler, rank, world_size)

@@ -81,7 +81,8 @@ def parse_args() -> argparse.Namespace:
     a("--num_generations", type=int, default=4, help="G: completions sampled per prompt, one group")  # grpo
     a("--max_completion_len", type=int, default=64, help="new tokens per completion, at most")  # grpo
     a("--temperature", type=float, default=1.0, help="sampling temperature of the completions")  # grpo
-    a("--clip_eps", type=float, default=0.2, help="the ratio pi / pi_old is clipped to [1 - eps, 1 + eps]")  # grpo
+    a("--clip_eps", type=float, default=0.2,  # grpo: PPO's clip, which never acts with one update per rollout
+      help="PPO's clip of pi / pi_old to [1 - eps, 1 + eps]; one update per rollout keeps the ratio at 1")  # grpo
     a("--rewards", default="answer,format", help="reward functions of dataset/rewards.py, added")  # grpo
     add_operator_flags(parser)  # trackers, kept checkpoints, background saves, metrics, validation, anomaly policy
     return check_flags(parser.parse_args())  # every value in its range, every path of its kind (exit 2)
@@ -152,7 +153,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
         on_device, local_tokens, watch = step_rollouts(unwrap(model), micro_batches, train_ds, args, epoch,  # grpo
                                                        autocast, dist_info.device)  # grpo
         # The loss is a sum over completion tokens divided by those of the WHOLE global batch  # grpo
-        # (all ranks, all micro-steps), so the gradient does not depend on how the batch is split.
+        # (all ranks, all micro-steps), so the gradient does not depend on how the batch is split (MoE aside: below).
         global_tokens = sum_over_ranks(local_tokens.clone())
         loss_scale = world_size / global_tokens.clamp(min=1.0)  # x world_size: DDP averages over ranks
         loss_sum = torch.zeros((), dtype=torch.float64, device=dist_info.device)
@@ -161,7 +162,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
             with no_sync(model, accumulate_only=i < len(on_device) - 1):
                 with autocast:
                     losses, aux_loss = completion_losses(model, ref_model, *rollout, args, watch)  # grpo
-                    loss = losses.sum() * loss_scale + aux_loss / len(on_device)  # grpo
+                    loss = losses.sum() * loss_scale + aux_loss / len(on_device)  # grpo: MoE's, per micro-batch
                 scaler.scale(loss).backward()
             loss_sum += losses.detach().sum().double()  # grpo
         scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
@@ -247,7 +248,7 @@ def main() -> None:
     scaler = torch.amp.GradScaler("cuda", enabled=use_cuda and dtype == torch.float16)
 
     # ---- 5. Resume: weights, optimizer, RNG and the data position (load_checkpoint checked the rest)
-    setup_seed(args.seed + rank)  # ranks differ in dropout noise; a resume on the same world size restores it
+    setup_seed(args.seed + rank)  # a random stream per rank (dropout is 0: the step draws nothing from it)
     at = Position()  # epoch 0, no sample consumed, no step taken
     if state is not None:
         restore_training_state(state, model, optimizer, scaler, rank, world_size)
