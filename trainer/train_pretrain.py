@@ -138,7 +138,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
                       [loss_sum, local_tokens, global_tokens, grad_norm]))
         at = at.after(end, n)  # a step skipped on the device too: its samples count as consumed
         tracker.step_taken(at.global_step)  # the first prints "first step done": a sign of life on a slow machine
-        # ---- step N's log line, validation and save, at their intervals ------------------------------
+        # ---- step N's log line, validation and save, at their intervals: none changes a step's numbers --
         # The stop vote: a signal (SIGTERM, Ctrl-C) on any rank, or a failed background save (all ranks raise)? On
         # several ranks it costs an all-reduce of two numbers per step between the hosts (gloo: no GPU wait).
         last = stop.vote(saver) or at.global_step >= stop_at or at.epoch == args.epochs  # or --max_steps, the end
@@ -215,7 +215,7 @@ def main() -> None:
     # ---- 6. Outputs, the guard, then compile and DDP (after loading: state_dict keys carry no prefixes) --
     tracker = Tracker(args, args.run_name or run_name(args.save_weight, lm_config), dist_info.is_main, device,
                       start_step=at.global_step, total_steps=total_steps(at, n, global_batch, args.epochs),
-                      tracker_ids=state["tracker_ids"] if state else {},
+                      tracker_ids=state["tracker_ids"] if state else {},  # a resume continues its wandb/SwanLab runs
                       model_flops_per_token=flops_per_token(unwrap(model).num_parameters(), lm_config.num_hidden_layers,
                                                             lm_config.hidden_size, args.max_seq_len))
     saver = BackgroundSaver(bool(args.async_save), use_cuda, args.keep_last, bool(args.gather_weights),
