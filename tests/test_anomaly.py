@@ -16,7 +16,9 @@ import torch
 
 from conftest import (events_of, history_file, last_record_per_step_and_rank, read_trace, resume_file, run_args,
                       status_of, trace_of, train)
-from trainer.trainer_utils import epoch_order
+from model.model import LMConfig
+from trainer.hardening.resume_checks import checked_for_resume
+from trainer.trainer_utils import RunSpec, epoch_order
 
 
 def job_args(tmp_path, data, *extra) -> list[str]:
@@ -103,6 +105,18 @@ def test_rollback_reloads_the_checkpoint_leaves_the_bad_window_out_and_trains_th
     assert (final["epoch"], final["samples_consumed"], final["global_step"]) == (1, 0, 9)
     assert final["anomaly"]["rollbacks"] == 1 and final["anomaly"]["left_out"] == [[0, 12, 16]]
     assert_all_finite(final)
+
+
+def test_an_older_checkpoints_window_stepped_over_is_left_out_on_resume(tmp_path, pretrain_data):
+    # Before windows were left out, a checkpoint named each bad window by its start: (epoch, cursor), one global
+    # batch long. A resume reads it as the span of that run's global batch (here 2 samples a step).
+    train("train_pretrain.py", None, job_args(tmp_path, pretrain_data, "--max_steps", "2"), tmp_path)
+    state = resume_file(tmp_path)
+    state["anomaly"] = {**{k: v for k, v in state["anomaly"].items() if k != "left_out"}, "skip_windows": [[0, 10]]}
+    run = RunSpec(state["train_args"], state["data_fingerprint"], 37, 2, {})
+    checked = checked_for_resume({**state, "resumed_from": "step_2.pth"}, LMConfig.from_dict(state["lm_config"]),
+                                 run, lambda message: None)
+    assert checked["anomaly"]["left_out"] == [[0, 10, 12]] and "skip_windows" not in checked["anomaly"]
 
 
 def test_resume_keeps_the_rollback_count_and_still_leaves_the_bad_window_out(tmp_path, pretrain_data):
