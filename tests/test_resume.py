@@ -21,6 +21,7 @@ from conftest import (assert_each_sample_once, assert_states_equal, child_pids, 
                       with_loader_workers)
 from benchmarks.soak_kill import how_it_resumed
 from model.model import CausalLM, LMConfig
+from trainer.trainer_utils import gpu_count_rule
 
 
 def losses_by_step(trace: list[dict]) -> dict[int, list[float]]:
@@ -241,3 +242,20 @@ def test_resume_takes_the_sizes_no_flag_gives_from_the_checkpoint(tmp_path, pret
     result = train("train_full_sft.py", None, [*sft, "--from_resume", "1", "--intermediate_size", "128"], tmp_path,
                    check=False)
     assert result.returncode == 2 and "model.intermediate_size: checkpoint has 96, this run has 128" in result.stderr
+
+
+def test_the_gpu_count_rule_keeps_the_global_batch_or_says_it_moved_and_refuses_what_would_not_continue():
+    def settings(batch, world, accumulation, global_batch=None):
+        return {"batch_size": batch, "world_size": world, "accumulation_steps": accumulation,
+                "global_batch_size": global_batch}
+    assert gpu_count_rule(settings(4, 2, 2, 16), settings(4, 2, 2, 16)) == ([], [])
+    problems, notes = gpu_count_rule(settings(4, 2, 2, 16), settings(2, 4, 2, 16))  # the same 16, split anew
+    assert problems == [] and notes == ["global batch 16 kept: batch_size x world_size x accumulation 4x2x2 -> 2x4x2"]
+    # A run started without --global_batch_size (G = 4 x 2 x 2 = 16) continues exactly under --global_batch_size 16.
+    assert gpu_count_rule(settings(4, 2, 2), settings(4, 4, 1, 16))[0] == []
+    problems, _ = gpu_count_rule(settings(4, 2, 2), settings(4, 4, 1, 32))
+    assert problems == ["  args.global_batch_size: checkpoint has None (16 samples a step), this run has 32 (32)"]
+    problems, notes = gpu_count_rule(settings(4, 2, 2), settings(4, 3, 2))  # no fixed G: it moves, and says so
+    assert problems == [] and notes[0].startswith("global batch moves with the GPUs")
+    assert gpu_count_rule(settings(4, 2, 2), settings(8, 2, 2))[0] == [
+        "  args.batch_size: checkpoint has 4, this run has 8"]

@@ -10,9 +10,8 @@
     5. checkpoints     lm_checkpoint saves (the commented `_resume.pth` dict, the RNG states, the FP16 out/ file
                        in write_checkpoint_files); load_checkpoint finds the newest good one, checks it and applies
                        the GPU-count rule (gpu_count_rule)
-Every number of a step is computed here or in the script: what the scripts call in trainer/hardening/ (durable
-writes, the lock, metrics, the stop signal, flag checks, the anomaly policy between steps) changes none of them.
-"""
+Every number of a step is computed here or in the script: skip trainer/hardening/ on a first reading. What the
+scripts call there (durable writes, lock, metrics, stop signal, flag checks, anomaly policy) changes none."""
 
 from __future__ import annotations
 
@@ -434,17 +433,18 @@ def load_checkpoint(lm_config: LMConfig, weight: str, checkpoint_dir: str, run: 
 
 
 def gpu_count_rule(old: dict, new: dict) -> tuple[list[str], list[str]]:
-    """What a resume on another GPU count may change, from the checkpoint's `train_args` and this run's: (problems,
-    notes). With --global_batch_size G (the same G before and after), any split of G over GPUs and micro-steps
-    continues the run exactly. Without it batch_size and accumulation_steps must stay, and G moves with the GPUs."""
+    """What a resume on another GPU count may change (`old`, `new`: the checkpoint's train_args and this run's):
+    with --global_batch_size G, any split of the same G continues exactly; without, G moves with the GPUs."""
+    split = [tuple(s[key] for key in ("batch_size", "world_size", "accumulation_steps")) for s in (old, new)]
+    g_old, g_new = (s["global_batch_size"] or math.prod(parts) for s, parts in zip((old, new), split))
     fixed = old["global_batch_size"] is not None or new["global_batch_size"] is not None
-    keys = ("global_batch_size",) if fixed else ("batch_size", "accumulation_steps")
-    problems = [f"  args.{key}: checkpoint has {old[key]!r}, this run has {new[key]!r}" for key in keys
-                if old[key] != new[key]]
-    before, after = ("x".join(str(s[key]) for key in ("batch_size", "world_size", "accumulation_steps"))
-                     for s in (old, new))
-    if before == after:
+    if fixed and g_old != g_new:
+        return [f"  args.global_batch_size: checkpoint has {old['global_batch_size']!r} ({g_old} samples a step), "
+                f"this run has {new['global_batch_size']!r} ({g_new})"], []
+    problems = [f"  args.{key}: checkpoint has {old[key]!r}, this run has {new[key]!r}"
+                for key in ("batch_size", "accumulation_steps") if not fixed and old[key] != new[key]]
+    if split[0] == split[1]:
         return problems, []
-    what = f"global batch {new['global_batch_size']} kept" if fixed else \
-        "global batch changes with the world size (pass --global_batch_size to keep it fixed)"
-    return problems, [f"{what}: batch_size x world_size x accumulation {before} -> {after}"]
+    what = f"global batch {g_new} kept" if fixed else "global batch moves with the GPUs (--global_batch_size fixes it)"
+    return problems, [f"{what}: batch_size x world_size x accumulation {'x'.join(map(str, split[0]))} -> "
+                      f"{'x'.join(map(str, split[1]))}"]
