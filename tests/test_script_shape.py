@@ -1,6 +1,6 @@
 """The shape a learner relies on: each script carries its whole loop, and the two differ only where
-pretraining and SFT differ (the lines marked `# stage`); LoRA's, DPO's and GRPO's are SFT's with the lines
-marked `# lora`, `# dpo` and `# grpo` changed; imports point one way."""
+pretraining and SFT differ (the lines marked `# stage`); LoRA's, DPO's, GRPO's and distillation's are SFT's with
+the lines marked `# lora`, `# dpo`, `# grpo` and `# distill` changed; imports point one way."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ import pytest
 from conftest import REPO
 
 SCRIPTS = ("train_pretrain.py", "train_full_sft.py")
-ALL_SCRIPTS = (*SCRIPTS, "train_lora.py", "train_dpo.py", "train_grpo.py")  # each later stage's script is held to train_full_sft.py
+# each later stage's script is held to train_full_sft.py
+ALL_SCRIPTS = (*SCRIPTS, "train_lora.py", "train_dpo.py", "train_grpo.py", "train_distillation.py")
 # nanoGPT's train.py is about 340 lines; the anomaly policy lives in hardening/anomaly_policy.py. The later stages'
 # docstrings list what they change from SFT's.
 MAX_LINES = {"train_pretrain.py": 260, "train_full_sft.py": 260, "train_lora.py": 300, "train_dpo.py": 310,
-             "train_grpo.py": 305}
+             "train_grpo.py": 305, "train_distillation.py": 295}
 
 
 def common_text(script: str) -> list[str]:
@@ -94,7 +95,8 @@ def marked_lines(script: str = "train_dpo.py", mark: str = "dpo") -> list[tuple[
             for number, line in enumerate(lines, start=1) if number > tree.body[0].end_lineno and line.strip()]
 
 
-@pytest.mark.parametrize("script, mark", [("train_dpo.py", "dpo"), ("train_grpo.py", "grpo")])
+@pytest.mark.parametrize("script, mark", [("train_dpo.py", "dpo"), ("train_grpo.py", "grpo"),
+                                          ("train_distillation.py", "distill")])
 def test_a_later_stage_is_train_full_sft_apart_from_its_marked_lines(script, mark):
     sft_source = (REPO / "trainer" / "train_full_sft.py").read_text(encoding="utf-8")
     sft = [line for line in sft_source.splitlines()[ast.parse(sft_source).body[0].end_lineno:] if line.strip()]
@@ -208,7 +210,7 @@ def test_the_loop_and_trainer_utils_read_as_simply_as_minimind():
     scores = {f"{script}:{f.name}": f.complexity for script in (*ALL_SCRIPTS, "trainer_utils.py")
               for f in complexipy.file_complexity(str(REPO / "trainer" / script)).functions}
     expected = {"train_pretrain.py:train_epoch", "train_lora.py:train_epoch", "train_dpo.py:train_epoch",
-                "train_grpo.py:train_epoch", "train_grpo.py:step_rollouts",
+                "train_grpo.py:train_epoch", "train_grpo.py:step_rollouts", "train_distillation.py:train_epoch",
                 "trainer_utils.py:lm_checkpoint", "trainer_utils.py:load_checkpoint", "trainer_utils.py:read_on_host"}
     assert expected <= set(scores), scores
     assert all(score <= 30 for score in scores.values()), scores

@@ -8,7 +8,8 @@ The names that become file names (--save_weight, --run_name, --from_weight) are 
 the file system, and no file the run writes is one it reads (check_outputs_are_not_inputs). One check runs
 later, once the tokenizer gives the vocabulary: a model whose weights, gradients and AdamW state (a LoRA
 stage's adapters included) cannot fit in the device's memory is refused (check_fits_in_memory, called by
-trainer_utils.model_config), before anything is allocated; so are GRPO's rollouts that cannot fit beside it.
+trainer_utils.model_config), before anything is allocated; so are GRPO's rollouts and distillation's
+teacher that cannot fit beside it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from model.lora import LORA_TARGETS
 from model.model import LMConfig, default_intermediate_size
 from trainer.hardening.anomaly import parse_injection
 from trainer.hardening.checkpoint_io import HISTORY_NAME, RunFiles
+from trainer.hardening.from_weight import teacher_path
 from trainer.hardening.metrics_files import metrics_path, status_path
 from trainer.hardening.resume_checks import ConfigError
 
@@ -79,7 +81,11 @@ RANGES = {
              lambda v: 0 < v < math.inf),
     "num_generations": ("an integer >= 2 (GRPO: a group compares its completions with each other)", lambda v: v >= 2),
     "max_completion_len": ("an integer >= 1 (new tokens per completion)", lambda v: v >= 1),
-    "temperature": ("a finite number > 0 (GRPO samples its completions)", lambda v: 0 < v < math.inf),
+    "temperature": ("a finite number > 0 (GRPO samples its completions at it; distillation softens both models' "
+                    "distributions with it)", lambda v: 0 < v < math.inf),
+    "alpha": ("in [0, 1] (distillation: the cross-entropy's share of the loss, the KL to the teacher's the rest)",
+              lambda v: 0 <= v <= 1),
+    "teacher_hidden_size": (SIZE, lambda v: 1 <= v <= MAX_SIZE),
     "clip_eps": ("in (0, 1) (the ratio pi / pi_old is clipped to [1 - clip_eps, 1 + clip_eps])", lambda v: 0 < v < 1),
 }
 LOGGERS = ("console", "file", "wandb", "swanlab")
@@ -212,13 +218,15 @@ def run_outputs(args: argparse.Namespace) -> dict[str, Path]:
 
 
 def run_inputs(args: argparse.Namespace) -> dict[str, Path]:
-    """What the run reads, by flag: the data, the tokenizer, and --from_weight's file (LoRA's base, DPO's
-    start and reference)."""
+    """What the run reads, by flag: the data, the tokenizer, --from_weight's file (LoRA's base, DPO's
+    start and reference) and distillation's --teacher_weight."""
     read = {f"--{flag}": Path(getattr(args, flag)) for flag in ("data_path", "val_data", "tokenizer_path")
             if getattr(args, flag, None) is not None}
     if getattr(args, "from_weight", "none") != "none":
         stem = f"{args.hidden_size}{'_moe' if args.use_moe else ''}"
         read["--from_weight"] = Path(args.save_dir) / f"{args.from_weight}_{stem}.pth"
+    if getattr(args, "teacher_weight", None) is not None:  # distillation's teacher
+        read["--teacher_weight"] = teacher_path(args)
     return read
 
 
@@ -228,11 +236,12 @@ def check_outputs_are_not_inputs(args: argparse.Namespace) -> None:
     reference. Refused here, in one line, before anything is read or written."""
     written = run_outputs(args)
     for flag, source in run_inputs(args).items():
+        named = f" than {flag} {getattr(args, flag[2:])}" if flag in ("--from_weight", "--teacher_weight") else ""
         for what, target in written.items():
             if _same_or_inside(source, target):
                 raise ConfigError(f"{flag} {source}: this run writes {what} at {target}, over a file it reads; "
                                   f"choose another --save_weight (or --save_dir, --checkpoint_dir, --metrics_dir)"
-                                  + (f" than --from_weight {args.from_weight}" if flag == "--from_weight" else ""))
+                                  + named)
 
 
 def _same_or_inside(source: Path, target: Path) -> bool:
@@ -392,6 +401,8 @@ def check_fits_in_memory(config: LMConfig, args: argparse.Namespace) -> None:
     if needed <= available:
         if getattr(args, "num_generations", None) is not None:  # GRPO: its rollouts, on top
             check_rollouts_fit(config, args, needed, available, where)
+        if getattr(args, "teacher_weight", None) is not None:  # distillation: the teacher, on top
+            check_teacher_fits(config, args, needed, available, where, shards)
         return
     defaults = {**DEFAULT_SIZES, "intermediate_size": default_intermediate_size(config.hidden_size),
                 "lora_rank": DEFAULT_LORA_RANK}
@@ -422,6 +433,23 @@ def check_rollouts_fit(config: LMConfig, args: argparse.Namespace, model: int, a
                           f"least {gib(needed)} (the policy's and the reference's log-probabilities over "
                           f"{config.vocab_size:,} tokens, the KV cache) beside the model's {gib(model)}, but {where}; "
                           f"lower --num_generations, --batch_size or --max_seq_len")
+
+
+def check_teacher_fits(config: LMConfig, args: argparse.Namespace, model: int, available: int, where: str,
+                       shards: int) -> None:
+    """Refuse a teacher that cannot fit beside the student's `model` bytes: its weights in fp32 (twice its fp16
+    file; under --parallel fsdp a rank's share) and a micro-batch's teacher logits and softened log-probabilities
+    and probabilities over the vocabulary (4 bytes each). A missing file counts 0: loading it says it is missing."""
+    path = teacher_path(args)
+    needed = (2 * path.stat().st_size if path.is_file() else 0) // shards
+    needed += 3 * args.batch_size * args.max_seq_len * config.vocab_size * 4
+    if torch.device(args.device).type != "cuda":  # the ranks of a node share its memory (torchrun's LOCAL_WORLD_SIZE)
+        needed *= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if model + needed > available:
+        raise ConfigError(f"--teacher_weight {args.teacher_weight}: the teacher {path} needs at least {gib(needed)} "
+                          f"(its weights in fp32, a micro-batch's logits over {config.vocab_size:,} tokens) beside "
+                          f"the student's {gib(model)}, but {where}; distill from a smaller teacher, or lower "
+                          f"--batch_size or --max_seq_len")
 
 
 def available_memory(device: torch.device) -> tuple[int, str]:

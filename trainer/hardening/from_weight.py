@@ -3,7 +3,8 @@
 `load_from_weight` reads --from_weight's file and takes the sizes from its
 tensors, so minimind's files (or ours of any shape) need no size flags; size flags given are checked against
 it, and a mismatch names both. `frozen_model` is that model with every weight frozen: LoRA's base and DPO's
-reference, named in a checkpoint by the file's hash instead of a copy of its weights.
+reference, named in a checkpoint by the file's hash instead of a copy of its weights. `frozen_teacher` is
+distillation's teacher, --teacher_weight's file, frozen and named the same way.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ def from_weight_path(args) -> Path:
     return Path(args.save_dir) / f"{args.from_weight}_{args.hidden_size}{'_moe' if args.use_moe else ''}.pth"
 
 
+def teacher_path(args) -> Path:
+    """--teacher_weight's file: `{save_dir}/{teacher_weight}_{teacher_hidden_size}.pth` (default: --hidden_size)."""
+    return Path(args.save_dir) / f"{args.teacher_weight}_{args.teacher_hidden_size or args.hidden_size}.pth"
+
+
 def load_from_weight(args, vocab_size: int, log: Callable[[str], None]) -> CausalLM:
     """--from_weight's model: the sizes read from the file's tensors, the size flags given checked against them."""
     path = from_weight_path(args)
@@ -33,12 +39,18 @@ def load_from_weight(args, vocab_size: int, log: Callable[[str], None]) -> Causa
         raise FileNotFoundError(f"--from_weight {args.from_weight}: {path} does not exist. Train that stage first "
                                 f"(e.g. trainer/train_pretrain.py with the same --hidden_size), or pass "
                                 f"--from_weight none to start from random weights")
+    return load_weights(f"--from_weight {args.from_weight}", path, {name: getattr(args, name) for name in SIZE_FLAGS},
+                        vocab_size, "initial weights", log)
+
+
+def load_weights(flag: str, path: Path, sizes: dict, vocab_size: int, what: str,
+                 log: Callable[[str], None]) -> CausalLM:
+    """The model in `path`, its sizes read from the file's tensors and checked against `sizes` (None: not given)."""
     try:
-        weights, file_config = load_project_weights(path, {name: getattr(args, name) for name in SIZE_FLAGS},
-                                                    vocab_size)
+        weights, file_config = load_project_weights(path, sizes, vocab_size)
     except ValueError as error:  # the file does not fit the flags or the tokenizer: the message says how
-        raise ConfigError(f"--from_weight {args.from_weight}: {error}") from None
-    log(f"initial weights: {path} ({file_config.hidden_size}x{file_config.num_hidden_layers}, "
+        raise ConfigError(f"{flag}: {error}") from None
+    log(f"{what}: {path} ({file_config.hidden_size}x{file_config.num_hidden_layers}, "
         f"intermediate {file_config.intermediate_size}{', MoE' if file_config.use_moe else ''})")
     model = CausalLM(file_config)
     model.load_state_dict(weights, strict=True)
@@ -55,3 +67,21 @@ def frozen_model(args, lm_config: LMConfig, log: Callable[[str], None]) -> tuple
     model = load_from_weight(args, lm_config.vocab_size, log)
     path = from_weight_path(args)
     return model.requires_grad_(False).eval(), {"base_file": str(path), "base_sha256": sha256_of(path)}
+
+
+def frozen_teacher(args, lm_config: LMConfig, log: Callable[[str], None]) -> tuple[CausalLM, dict]:
+    """Distillation's teacher: --teacher_weight's model (any size: read from its tensors) with every weight frozen,
+    and the settings that name it, {"teacher_file", "teacher_sha256"} (a resume refuses a changed file, as for
+    "base_sha256"). Its vocabulary must be the student's token for token: the loss compares their distributions."""
+    path, flag, vocab_size = teacher_path(args), f"--teacher_weight {args.teacher_weight}", lm_config.vocab_size
+    if not path.is_file():
+        raise FileNotFoundError(f"{flag}: {path} does not exist. Train the teacher first (e.g. "
+                                f"trainer/train_full_sft.py), or name its file with --teacher_weight and "
+                                f"--teacher_hidden_size")
+    model = load_weights(flag, path, {"hidden_size": args.teacher_hidden_size or args.hidden_size}, vocab_size,
+                         "teacher", log)
+    if model.config.vocab_size != vocab_size:
+        raise ConfigError(f"{flag}: {path} has {model.config.vocab_size} embedding rows, the student's tokenizer "
+                          f"{vocab_size} tokens: the loss compares the two distributions token by token, so "
+                          f"distill from a teacher trained with the student's tokenizer (--tokenizer_path)")
+    return model.requires_grad_(False).eval(), {"teacher_file": str(path), "teacher_sha256": sha256_of(path)}

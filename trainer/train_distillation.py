@@ -1,0 +1,292 @@
+"""Distillation: train a small student to match a bigger teacher's softened distribution, token by token.
+
+On the assistant's tokens, the loss is alpha * cross-entropy (the labels, as in SFT) + (1 - alpha) * T^2 *
+KL(teacher_T || student_T), both models' distributions softened at temperature T (--temperature; T^2 keeps the
+KL's gradient the size of the cross-entropy's, as Hinton et al. 2015 do). The teacher is a model in --save_dir
+(--teacher_weight, of any size, with the student's tokenizer), frozen, run without a graph; the student starts
+from random weights by default (--from_weight names a file). Run it from a plain clone:
+
+    python trainer/train_distillation.py --teacher_weight full_sft --num_hidden_layers 2   # one process
+    torchrun --nproc_per_node 2 trainer/train_distillation.py                      # 2 GPUs (or 2 CPU ranks)
+    ... --from_resume 1                                             # continue, also on another GPU count
+    ... --parallel fsdp                                             # the teacher is sharded too
+
+Writes out/distill_{hidden}.pth and checkpoints/ (the teacher named by its hash: a resume refuses a changed one).
+The logged loss is the distillation loss; validation (--val_data) is the student's cross-entropy, as in SFT.
+What changes from train_full_sft.py: the lines marked `# distill`.
+"""
+
+import argparse
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: the repository, not this folder, goes first on the import path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import torch
+import torch.nn.functional as F  # distill
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+
+from dataset.lm_dataset import SFTDataset  # stage
+from model.tokenizer import load_tokenizer
+from trainer.hardening.anomaly import install_debug_injection
+from trainer.hardening.anomaly_policy import AnomalyPolicy, Rollback
+from trainer.hardening.background_save import BackgroundSaver, finish_saves
+from trainer.hardening.flag_checks import check_flags
+from trainer.hardening.from_weight import frozen_teacher  # distill
+from trainer.hardening.operator_flags import add_operator_flags
+from trainer.hardening.process_exit import cleanup_distributed, run_script
+from trainer.hardening.process_group import init_distributed
+from trainer.hardening.resume_checks import data_fingerprint, resume_settings
+from trainer.hardening.run_lock import claim_run_directories
+from trainer.hardening.sharding import shard_model
+from trainer.hardening.stopping import StopRequest, end_of_run, loader_worker_ignores_stops
+from trainer.hardening.tracking import Tracker, flops_per_token, validation_loss
+from trainer.trainer_utils import (REPO_ROOT, IndexedDataset, Position, RunSpec, SkipBatchSampler, Step, epoch_order,
+                                   get_lr, given_sizes, init_model, lm_checkpoint, load_checkpoint,
+                                   model_config, no_sync, optimizer_step, rank0_logger, read_on_host,
+                                   resolve_accumulation, restore_training_state, run_name, setup_seed,
+                                   sum_over_ranks, total_steps, trained_samples, unwrap)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    a = parser.add_argument
+    a("--data_path", default=str(REPO_ROOT / "dataset" / "sft_demo.jsonl"), help="JSONL training data")  # stage
+    a("--save_dir", default=str(REPO_ROOT / "out"), help="where the FP16 inference weights go")
+    a("--checkpoint_dir", default=str(REPO_ROOT / "checkpoints"), help="where the resume state goes")
+    a("--save_weight", default="distill", help="name prefix of the saved files")  # distill
+    a("--from_weight", default="none", help="'none' (random weights) or a weight name in --save_dir")  # distill
+    a("--from_resume", type=int, default=0, choices=(0, 1), help="1: continue from the newest good checkpoint")
+    a("--epochs", type=int, default=2)  # stage
+    a("--batch_size", type=int, default=32, help="micro-batch per rank")
+    a("--accumulation_steps", type=int, default=1)
+    a("--global_batch_size", type=int, default=None,
+      help="samples per optimizer step; derives accumulation_steps and keeps steps identical on any GPU count")
+    a("--learning_rate", type=float, default=5e-4)  # distill: a student from random weights
+    a("--warmup_ratio", type=float, default=0.01)
+    a("--max_seq_len", type=int, default=340)
+    a("--hidden_size", type=int, default=512)
+    a("--num_hidden_layers", type=int, default=None, help="default: from --from_weight, else 8")
+    a("--num_attention_heads", type=int, default=None, help="default: from --from_weight, else 8")
+    a("--num_key_value_heads", type=int, default=None, help="default: from --from_weight, else 4")
+    a("--use_moe", type=int, default=0, choices=(0, 1))
+    a("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+      help="autocast dtype on CUDA (CPU always trains in float32)")
+    a("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a("--num_workers", type=int, default=1)
+    a("--grad_clip", type=float, default=1.0)
+    a("--log_interval", type=int, default=10, help="optimizer steps between log lines")
+    a("--save_interval", type=int, default=100, help="optimizer steps between checkpoints")
+    a("--max_steps", type=int, default=None, help="stop (and save) after this many steps of this invocation")
+    a("--seed", type=int, default=42)
+    a("--use_compile", type=int, default=None, choices=(0, 1), help="torch.compile (default: 1 on CUDA, 0 on CPU)")
+    a("--parallel", default="ddp", choices=("ddp", "fsdp"), help="fsdp: each GPU keeps a slice of the model")
+    a("--system_prompt_ratio", type=float, default=None, help="share given a generic system prompt")  # stage
+    a("--drop_empty_think_ratio", type=float, default=None, help="share with empty <think> dropped")  # stage
+    a("--teacher_weight", default="full_sft", help="the teacher: a weight name in --save_dir, frozen")  # distill
+    a("--teacher_hidden_size", type=int, default=None, help="the teacher file's (default: --hidden_size)")  # distill
+    a("--alpha", type=float, default=0.5, help="the cross-entropy's share of the loss; the KL has the rest")  # distill
+    a("--temperature", type=float, default=2.0, help="softens both distributions; the KL is scaled by T^2")  # distill
+    add_operator_flags(parser)  # trackers, kept checkpoints, background saves, metrics, validation, anomaly policy
+    return check_flags(parser.parse_args())  # every value in its range, every path of its kind (exit 2)
+
+
+def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,  # distill
+                      alpha: float, temperature: float) -> torch.Tensor:
+    """Summed over the labelled positions (position t predicts labels[t + 1], as in the model's own loss):
+    alpha * cross-entropy + (1 - alpha) * T^2 * KL(p_T || q_T), where KL(p || q) = sum over the vocabulary of
+    p (log p - log q), p_T the teacher's softmax of logits / T, q_T the student's. In fp32 at least (autocast's
+    logits may be bf16). The caller divides by the global batch's labelled tokens, as for SFT's loss."""
+    dtype = torch.promote_types(student_logits.dtype, torch.float32)
+    student, teacher = student_logits.to(dtype), teacher_logits.to(dtype)
+    targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # the shift by one
+    cross_entropy = F.cross_entropy(student.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+    teacher_log_p = F.log_softmax(teacher / temperature, dim=-1)
+    kl = (teacher_log_p.exp() * (teacher_log_p - F.log_softmax(student / temperature, dim=-1))).sum(dim=-1)
+    kl = torch.where(targets != -100, kl, 0.0).sum()  # the assistant's tokens only
+    return alpha * cross_entropy + (1 - alpha) * temperature ** 2 * kl
+
+
+def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds, val_ds, run: RunSpec, lm_config,
+                dist_info, policy: AnomalyPolicy, stop: StopRequest, stop_at: float, tracker: Tracker,
+                saver: BackgroundSaver,  # distill
+                teacher: torch.nn.Module) -> tuple[Position, bool]:  # distill: frozen
+    """Train from `at` to the epoch's end (False), a stop, --max_steps or the run's end (True); a rollback raises."""
+    n, global_batch, rank, world_size = run.num_samples, run.global_batch, dist_info.rank, dist_info.world_size
+    epoch, last_step = at.epoch, total_steps(at, n, global_batch, args.epochs, policy.left_out)
+    # The anomaly policy acts here, between steps: after a rollback, a lower LR and the bad window left out
+    base_lr, left_out = args.learning_rate * policy.lr_scale, policy.left_out_of(epoch)
+    sampler = SkipBatchSampler(epoch_order(args.seed, epoch, n), at.samples_consumed, global_batch,
+                               args.batch_size, rank, world_size, left_out)
+    train_ds.set_epoch(epoch)  # stage: the augmentations are drawn per (seed, epoch, sample)
+    # Its own generator: iter() draws a seed from the global RNG, which a resumed run would then not match.
+    batches = iter(DataLoader(IndexedDataset(train_ds), batch_sampler=sampler, num_workers=args.num_workers,
+                              pin_memory=dist_info.device.type == "cuda", worker_init_fn=loader_worker_ignores_stops,
+                              generator=torch.Generator().manual_seed(args.seed * 1_000_003 + epoch)))
+    taken = []  # the steps since the host last read the device: (Step, its numbers, still on the device)
+    for s in range(sampler.num_steps()):
+        # ---- step N: the next global batch, split over ranks and micro-steps -------------------------
+        micro_batches = [next(batches) for _ in range(sampler.micro_steps_per_step(s))]
+        end = sampler.step_end(s)  # the data position once this step is taken
+        # The LR at the position this step reaches, so the first step already trains.
+        lr = get_lr((epoch * n + end) / (args.epochs * n), base_lr, args.warmup_ratio)
+        on_device = [(x.to(dist_info.device, non_blocking=True), y.to(dist_info.device, non_blocking=True))
+                     for _, x, y in micro_batches]
+        # The loss is a sum over tokens divided by the tokens with a label in the WHOLE global batch
+        # (all ranks, all micro-steps), so the gradient does not depend on how the batch is split (MoE aside: below).
+        local_tokens = sum((y[:, 1:] != -100).sum() for _, y in on_device).double()
+        global_tokens = sum_over_ranks(local_tokens.clone())
+        loss_scale = world_size / global_tokens.clamp(min=1.0)  # x world_size: DDP averages over ranks
+        loss_sum = torch.zeros((), dtype=torch.float64, device=dist_info.device)
+        for i, (input_ids, labels) in enumerate(on_device):
+            # Only the last micro-step all-reduces the gradients; the others just accumulate.
+            with no_sync(model, accumulate_only=i < len(on_device) - 1):
+                with autocast:
+                    out = model(input_ids)  # distill: its logits; distillation_loss takes the labels
+                    with torch.no_grad():  # distill: not trained, no graph kept; autocast's dtype on a GPU
+                        target = teacher(input_ids).logits  # distill
+                    summed = distillation_loss(out.logits, target, labels, args.alpha, args.temperature)  # distill
+                    loss = summed * loss_scale + out.aux_loss / len(on_device)  # distill: MoE's, a micro-batch mean
+                scaler.scale(loss).backward()
+            loss_sum += summed.detach().double()  # distill
+        scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        # AdamW's step: skipped on the device, with no wait, where a gradient is not finite
+        optimizer_step(optimizer, scaler, grad_norm)
+        optimizer.zero_grad(set_to_none=True)
+        # Step N's numbers stay on the device: reading one (`.item()`) would make the host wait for the GPU.
+        taken.append((Step(at.global_step + 1, epoch, at.samples_consumed, end, lr,
+                           *trained_samples(micro_batches)),  # (its sample indices, its input tokens)
+                      [loss_sum, local_tokens, global_tokens, grad_norm]))
+        at = at.after(end, n)  # a step skipped on the device too: its samples count as consumed
+        tracker.step_taken(at.global_step)  # the first prints "first step done": a sign of life on a slow machine
+        # ---- step N's log line, validation and save, at their intervals: none changes a step's numbers --
+        # The stop vote: a signal (SIGTERM, Ctrl-C) on any rank, or a failed background save (all ranks raise)? On
+        # several ranks it costs an all-reduce of two numbers per step between the hosts (gloo: no GPU wait).
+        last = stop.vote(saver) or at.global_step >= stop_at or at.epoch == args.epochs  # or --max_steps, the end
+        log_now = at.global_step % args.log_interval == 0 or at.samples_consumed == 0 or last
+        validate = val_ds is not None and (at.global_step % args.eval_interval == 0 or last)
+        save_now = at.global_step % args.save_interval == 0 or at.samples_consumed == 0 or last
+        if log_now or validate or save_now:  # the host waits for the device here only, as for minimind's loss.item()
+            read, taken = read_on_host(taken), []  # one transfer: the numbers of every step since the last wait
+            for step, numbers in read:  # in step order
+                verdict = policy.judge(step, numbers)  # anomaly policy: a bad step raises Rollback or AnomalyStop
+                tracker.step(step, numbers, verdict)  # its trace line (--save_debug_train_output), tokens/s
+        if log_now:  # step N's line (the last one read): the loss over the global batch, its LR and grad norm
+            tracker.log({"epoch": step.epoch, "samples_consumed": at.samples_consumed, "loss": numbers.loss,
+                         "lr": step.lr, "grad_norm": numbers.grad_norm},
+                        at.global_step, last_step)
+        if validate:
+            tracker.validation(at.global_step, validation_loss(unwrap(model), val_ds, args.batch_size,
+                                                               dist_info.device, autocast))
+        if save_now:
+            started = time.perf_counter()
+            kept = lm_checkpoint(lm_config, args.save_weight, model, optimizer, position=at, run=run,
+                                 save_dir=args.save_dir, checkpoint_dir=args.checkpoint_dir, scaler=scaler,
+                                 anomaly_state=policy.state_dict(), trackers=tracker.runs, saver=saver)
+            tracker.saved(at.global_step, kept, time.perf_counter() - started, saver.pop_blocked())  # blocked, by part
+        if last:
+            return at, True
+    return Position(epoch + 1, 0, at.global_step), False  # `at` itself, unless a rollback left the epoch's end out
+
+
+def main() -> None:
+    # ---- 1. Flags ------------------------------------------------------------------------------
+    args = parse_args()
+
+    # ---- 2. Distributed init: one process, or one per GPU (or CPU rank) under torchrun -----------
+    dist_info = init_distributed(args.device)
+    rank, world_size, device = dist_info.rank, dist_info.world_size, dist_info.device
+    log = rank0_logger(dist_info.is_main)
+    setup_seed(args.seed)  # identical initial weights on every rank
+
+    # ---- 3. Data and batch geometry: the files are indexed and checked before any training ------
+    tokenizer = load_tokenizer(args.tokenizer_path)
+    train_ds = SFTDataset(args.data_path, tokenizer, args.max_seq_len, seed=args.seed,  # stage
+                          system_prompt_ratio=args.system_prompt_ratio or 0.0,  # stage
+                          drop_empty_think_ratio=args.drop_empty_think_ratio or 0.0)  # stage
+    val_ds = SFTDataset(args.val_data, tokenizer, args.max_seq_len) if args.val_data else None  # stage: as it is
+    n = len(train_ds)
+    accumulation, global_batch = resolve_accumulation(args.batch_size, world_size, args.accumulation_steps,
+                                                      args.global_batch_size)
+    # The teacher, frozen (model_config first counts its memory beside the student's); the checkpoint names  # distill
+    # its file by hash, not a copy of its weights, and a resume refuses a changed one  # distill
+    teacher, teacher_identity = frozen_teacher(args, model_config(args, tokenizer.get_vocab_size()), log)  # distill
+    run = RunSpec({**resume_settings(args, accumulation, world_size), **teacher_identity},  # distill
+                  data_fingerprint(train_ds.source), n, global_batch, given_sizes(args), args.resume_path)  # distill
+
+    # ---- 4. Model and optimizer: weights from the checkpoint to resume, from --from_weight, or random -
+    lm_config = model_config(args, tokenizer.get_vocab_size())
+    claim_run_directories(args, run_name(args.save_weight, lm_config), log)  # one trainer per directory
+    resume = bool(args.from_resume or args.resume_path)
+    state = load_checkpoint(lm_config, args.save_weight, args.checkpoint_dir, run) if resume else None
+    model, lm_config = init_model(args, lm_config, log, resume_state=state)  # weights: section 5, --from_weight
+    use_cuda, dtype = device.type == "cuda", getattr(torch, args.dtype)
+    # FP32 master weights, bf16 (or fp16 + GradScaler) autocast on CUDA; fsdp: a slice per rank (sharding.py)
+    model = shard_model(model, device, dtype, args) if args.parallel == "fsdp" else model.to(device)
+    teacher = shard_model(teacher, device, dtype, args) if args.parallel == "fsdp" else teacher.to(device)  # distill
+    # fused: one kernel for all parameters, and it can skip a step on the device (trainer_utils.optimizer_step)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.01, fused=True)
+    autocast = torch.autocast("cuda", dtype=dtype) if use_cuda and dtype != torch.float32 else nullcontext()
+    scaler = torch.amp.GradScaler("cuda", enabled=use_cuda and dtype == torch.float16)
+
+    # ---- 5. Resume: weights, optimizer, RNG and the data position (load_checkpoint checked the rest)
+    setup_seed(args.seed + rank)  # a random stream per rank (dropout is 0: the step draws nothing from it)
+    at = Position()  # epoch 0, no sample consumed, no step taken
+    if state is not None:
+        restore_training_state(state, model, optimizer, scaler, rank, world_size)
+        at = Position(state["epoch"], state["samples_consumed"], state["global_step"])
+    log(f"{model.num_parameters() / 1e6:.2f}M params; {n} samples; global batch {global_batch} = {args.batch_size} x "
+        f"{world_size} ranks x {accumulation} accumulation; to step {total_steps(at, n, global_batch, args.epochs)}")
+
+    # ---- 6. Outputs, the guard, then compile and DDP (after loading: state_dict keys carry no prefixes) --
+    tracker = Tracker(args, args.run_name or run_name(args.save_weight, lm_config), dist_info.is_main, device,
+                      start_step=at.global_step, total_steps=total_steps(at, n, global_batch, args.epochs),
+                      tracker_ids=state["tracker_ids"] if state else {},  # a resume continues its wandb/SwanLab runs
+                      model_flops_per_token=flops_per_token(unwrap(model).num_parameters(), lm_config.num_hidden_layers,
+                                                            lm_config.hidden_size, args.max_seq_len))
+    saver = BackgroundSaver(bool(args.async_save), use_cuda, args.keep_last, bool(args.gather_weights),
+                            args.tokenizer_path if args.save_hf else None, optimizer)  # rank 0 writes (fsdp: all)
+    stop = StopRequest()  # SIGTERM / Ctrl-C: the step in progress finishes, is saved, and the run exits 0
+    policy = AnomalyPolicy(args, tracker, not scaler.is_enabled(), state["anomaly"] if state else {}, log)  # memory
+    install_debug_injection(model, args.debug_inject, current_step=tracker.step_in_progress)  # --debug_inject only
+    if args.use_compile and args.parallel == "ddp":  # (FSDP compiled each layer as it sharded it)
+        model = torch.compile(model, backend=args.compile_backend)
+        teacher = torch.compile(teacher, backend=args.compile_backend)  # distill
+    if world_size > 1 and args.parallel == "ddp":
+        model = DistributedDataParallel(model, device_ids=[dist_info.local_rank] if use_cuda else None)
+
+    # ---- 7. Train, epoch by epoch, from the resumed position, to the end, a stop or --max_steps -----
+    stop_at, stopped = at.global_step + (args.max_steps or float("inf")), False  # --max_steps: of this invocation
+    with tracker, saver:  # on an error: the save in flight completes and the status file says "failed"
+        while at.epoch < args.epochs and not stopped:
+            try:
+                at, stopped = train_epoch(args, at, model, optimizer, scaler, autocast, train_ds, val_ds, run,
+                                          lm_config, dist_info, policy, stop, stop_at, tracker, saver,  # distill
+                                          teacher)  # distill
+            except Rollback as rollback:  # back to the newest checkpoint; the bad window is left out from now on
+                optimizer.zero_grad(set_to_none=True)
+                finish_saves(saver)  # the newest checkpoint must be complete before we look for it
+                state = load_checkpoint(lm_config, args.save_weight, args.checkpoint_dir, run)
+                at = Position(*policy.rolled_back(rollback, state))  # no checkpoint yet: AnomalyStop
+                stop_at -= rollback.step.number - 1 - at.global_step  # steps trained again count again (--max_steps)
+                restore_training_state(state, model, optimizer, scaler, rank, world_size)
+                tracker.rollback(at.global_step, total_steps(at, n, global_batch, args.epochs, policy.left_out))
+        # ---- 8. The end: the last save on disk, then the run's status ------------------------------
+        finish_saves(saver)
+        tracker.finish("stopped" if at.epoch < args.epochs else "completed")
+
+    # ---- 9. Cleanup ------------------------------------------------------------------------------
+    log(end_of_run(at, args, stop.signal, world_size))
+    del model, optimizer  # the DDP wrapper goes while the process group still exists
+    cleanup_distributed()
+
+
+if __name__ == "__main__":
+    run_script(main)
