@@ -1,9 +1,9 @@
 """trainer/train_distillation.py keeps every guarantee of the SFT stage, proven with real python/torchrun gloo
-processes at the TINY_MODEL size (a 3-layer teacher, a 2-layer student): the same gradient however the global
-batch is split, under python or torchrun, FSDP (the teacher sharded too), across a resume; one-line errors for a
-bad flag, a missing teacher or one with another vocabulary; the teacher's file never an output. Behind
-TRAINER_SLOW_TESTS=1: a resume on the same rank count bit-identical, with the metrics and status files and
-validation carried over, and a changed teacher refused; a resume on 2 -> 3 -> 1 ranks training each conversation
+processes at the TINY_MODEL size (a 3-layer teacher, a 2-layer student): one-line errors for a bad flag, a
+missing teacher or one with another vocabulary; the teacher's file never an output. Behind TRAINER_SLOW_TESTS=1:
+the same gradient however the global batch is split, under python or torchrun, FSDP (the teacher sharded too),
+across a resume; a resume on the same rank count bit-identical, with the metrics and status files and validation
+carried over, and a changed teacher refused; a resume on 2 -> 3 -> 1 ranks training each conversation
 once; a SIGTERM that saves.
 """
 
@@ -48,6 +48,7 @@ def distill_args(run_dir: Path, data: Path, *extra: str) -> list[str]:
     return run_args(run_dir, data, "--learning_rate", "1e-3", "--alpha", "0.3", "--temperature", "2", *extra)
 
 
+@SLOW
 def test_one_rank_two_micro_steps_and_two_sharded_ranks_one_give_the_same_gradient_across_a_resume(tmp_path, sft_data):
     # 29 conversations, a global batch of 16: step 2 has 13. The 2-rank run is FSDP (the teacher sharded too),
     # stopped after step 1 and resumed.
