@@ -1,8 +1,9 @@
 """The chat page scripts/serve_openai_api.py serves at /, driven in a real headless Chromium (Debian's chromium and
 chromium-driver, through selenium) against a served model; and the page's files and --no_web, over plain HTTP.
 
-The model is a tiny one fine-tuned for 200 steps (seconds on the CPU) on the conversations below: it answers "Paris"
-and "巴黎", thinks before it says how to print (a code block and a list), writes markup when asked, and sings "la"
+The model is a tiny one fine-tuned for 180 steps (seconds on the CPU) on the conversations below: it answers "Paris"
+and "巴黎", thinks before it says how to print (a code block and a list; also after "巴黎"), writes markup when
+asked, and sings "la"
 without end (that reply runs past the trained length, so no end was learned), which Stop and the server's time limit
 end. Greedy decoding makes every reply reproducible. The server runs with a 4 s time limit and 2000-byte requests.
 
@@ -40,6 +41,7 @@ CONVERSATIONS = [[{"role": "user", "content": FRANCE}, {"role": "assistant", "co
                  [{"role": "user", "content": "Show markup."}, {"role": "assistant", "content": MARKUP}],
                  [{"role": "user", "content": "How do I print?"},
                   {"role": "assistant", "reasoning_content": "Python.", "content": PRINT_ANSWER}]]
+CONVERSATIONS.append([*CONVERSATIONS[1], *CONVERSATIONS[4]])  # a second turn: the tiny model learns no other
 TIME_LIMIT_S, MAX_REQUEST_BYTES = 4, 2000
 
 
@@ -75,8 +77,8 @@ def served(tmp_path_factory):
     data.write_text("".join(json.dumps({"conversations": c}, ensure_ascii=False) + "\n" for c in CONVERSATIONS * 8),
                     encoding="utf-8")
     train("train_full_sft.py", None, run_args(root, data, "--from_weight", "none", "--batch_size", "8", "--epochs",
-                                              "40", "--learning_rate", "1e-2", "--warmup_ratio", "0",
-                                              "--max_seq_len", "64"), root)
+                                              "30", "--learning_rate", "1e-2", "--warmup_ratio", "0",
+                                              "--max_seq_len", "96"), root)
     port = free_port()
     log = open(root / "server.log", "w+")
     server = subprocess.Popen([sys.executable, str(REPO / "scripts" / "serve_openai_api.py"), "--weight", "full_sft",
@@ -173,16 +175,17 @@ def test_a_question_streams_in_the_next_turn_carries_the_conversation_and_the_th
     assert browser.find_element(*by("#send")).text == "Send" and browser.find_element(*by("#stop")).text == ""
     ask(browser, FRANCE)
     assert wait_for(browser, lambda d: reply_done(d, 1)).find_element(*by(".answer")).text == "Paris"
-    ask(browser, FRANCE_ZH)
-    second = wait_for(browser, lambda d: reply_done(d, 2))
-    assert second.find_element(*by(".answer")).text == "巴黎"
-    # The second request carried the first turn: its prompt is the whole conversation.
-    assert second.find_element(*by(".usage")).text.startswith(f"{prompt_tokens(FRANCE, 'Paris', FRANCE_ZH)} prompt")
     browser.find_element(*by("#new-chat")).click()
     assert messages(browser) == []
+    ask(browser, FRANCE_ZH)
+    first = wait_for(browser, lambda d: reply_done(d, 1))
+    assert first.find_element(*by(".answer")).text == "巴黎"
+    assert first.find_element(*by(".usage")).text.startswith(f"{prompt_tokens(FRANCE_ZH)} prompt")  # a new chat
     ask(browser, "How do I print?")
-    reply = wait_for(browser, lambda d: reply_done(d, 1))
-    assert reply.find_element(*by(".usage")).text.startswith(f"{prompt_tokens('How do I print?')} prompt")
+    reply = wait_for(browser, lambda d: reply_done(d, 2))
+    # The second request carried the first turn: its prompt is the whole conversation.
+    assert reply.find_element(*by(".usage")).text.startswith(f"{prompt_tokens(FRANCE_ZH, '巴黎', 'How do I print?')} "
+                                                             f"prompt")
     think = reply.find_element(*by("details.think"))
     assert think.is_displayed() and not think.get_attribute("open")  # folded
     assert think.find_element(*by("summary")).text == "Thinking"
@@ -191,9 +194,7 @@ def test_a_question_streams_in_the_next_turn_carries_the_conversation_and_the_th
     assert answer.find_element(*by("pre code")).text == "print(1)"
     assert [li.text for li in answer.find_elements(*by("ul li"))] == ["one", "two"]
     assert answer.find_element(*by("p code")).text == "print"
-    if os.environ.get("TRAINER_UPDATE_SCREENSHOT") == "1":
-        ask(browser, FRANCE)  # a two-turn chat for the picture, with the think text opened
-        wait_for(browser, lambda d: reply_done(d, 2))
+    if os.environ.get("TRAINER_UPDATE_SCREENSHOT") == "1":  # Chinese shows in it with a CJK font (fonts-wqy-microhei)
         think.find_element(*by("summary")).click()
         browser.save_screenshot(str(REPO / "docs" / "chat_page.png"))
 
@@ -229,11 +230,11 @@ def test_the_time_limit_and_refused_requests_are_shown_as_messages_and_not_kept(
     assert reply.find_element(*by(".note")).text.startswith(f"Cut off by the server: a reply may take {TIME_LIMIT_S} s")
     set_setting(browser, "max_tokens", "")
     browser.find_element(*by("#new-chat")).click()
-    ask(browser, "word " * 60)  # within the positions, but longer than the 64 tokens it was trained at
+    ask(browser, "word " * 90)  # within the positions, but longer than the 96 tokens it was trained at
     refused = wait_for(browser, lambda d: reply_done(d, 1))
     assert refused.get_attribute("class") == "message error"
     assert refused.text.startswith("The server refused the request (400): messages: the prompt is")
-    assert "longer than the 64 the model was trained at" in refused.text
+    assert "longer than the 96 the model was trained at" in refused.text
     ask(browser, "x" * MAX_REQUEST_BYTES)
     too_long = wait_for(browser, lambda d: reply_done(d, 2))
     assert too_long.text.startswith("The server refused the request (413)") and "--max_request_bytes" in too_long.text
