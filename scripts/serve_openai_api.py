@@ -18,6 +18,7 @@ beside the weights) is refused, or served with a warning in the log under --long
 has not learned such positions. GET /v1/models states these limits.
 A bad request gets a 400 in OpenAI's error shape, naming the field; a body over --max_request_bytes (default
 1 MiB) a 413. The body is parsed and checked in a thread, so a large one does not hold up the other clients.
+A chat page over the same API is served at / (scripts/web/: open http://127.0.0.1:8998/); --no_web leaves it out.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from dataset.json_text import parse_json_text
 from eval_model import add_model_flags, chat_encoder, chat_prompt_ids, find_weight_file, generate_ids, load_model
 from model.model import CausalLM
 from model.tokenizer import load_tokenizer
+from scripts.web import add_chat_page
 from trainer.hardening.checkpoint_io import trained_length
 
 
@@ -371,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long_prompts", choices=("refuse", "warn"), default="refuse",
                    help="a prompt longer than the model was trained at (out/{weight}.json): refuse it (400) or "
                         "serve it with a warning in the log")
+    p.add_argument("--no_web", action="store_true", help="serve the API only, without the chat page at /")
     args = p.parse_args(argv)
     problem = flag_problem(args)
     if problem:
@@ -391,7 +394,11 @@ def main(argv: list[str] | None = None) -> int:
               f"at: prompts are limited only by its {model.config.max_position_embeddings} positions", file=sys.stderr)
     print(f"limits: {limits._asdict()}", file=sys.stderr)
     name = f"{path.stem}+lora_{args.lora}" if args.lora else path.stem  # the "model" that /v1/models lists
-    uvicorn.run(create_app(model, tokenizer, name, limits), host=args.host, port=args.port)
+    app = create_app(model, tokenizer, name, limits)
+    if not args.no_web:
+        add_chat_page(app)
+        print(f"chat page: http://{args.host}:{args.port}/", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port)
     return 0
 
 
