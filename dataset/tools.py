@@ -112,18 +112,16 @@ def get_weather(city: str) -> dict:
     return {"city": city, "temperature_c": temperature, "condition": condition}
 
 
-def _spec(name: str, description: str, parameter: str, about: str) -> dict:
+def _spec(name: str, description: str, parameter: str) -> dict:
+    # Short: the project's tokenizer spends a token on most characters of JSON, and each prompt holds the specs.
     return {"type": "function", "function": {
         "name": name, "description": description,
-        "parameters": {"type": "object", "properties": {parameter: {"type": "string", "description": about}},
-                       "required": [parameter], "additionalProperties": False}}}
+        "parameters": {"type": "object", "properties": {parameter: {"type": "string"}}, "required": [parameter]}}}
 
 
 DEMO_TOOLS = {
-    "calculator": Tool(_spec("calculator", "Evaluate an arithmetic expression", "expression",
-                             "numbers with + - * / // % ** and parentheses, e.g. 17 * 23"), calculator),
-    "get_weather": Tool(_spec("get_weather", "The current weather in a city", "city", "the city's name"),
-                        get_weather),
+    "calculator": Tool(_spec("calculator", "Arithmetic: + - * / // % ** ( )", "expression"), calculator),
+    "get_weather": Tool(_spec("get_weather", "The weather in a city", "city"), get_weather),
 }
 
 
