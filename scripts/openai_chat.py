@@ -22,7 +22,7 @@ import json
 import uuid
 from typing import Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tokenizers import Tokenizer
 
 from dataset.chat_format import template_segments
@@ -65,7 +65,8 @@ class NamedChoice(BaseModel):
     function: FunctionName
 
 
-ToolChoice = Literal["auto", "none", "required"] | NamedChoice
+# As the request holds it; tool_setup reads it (a union left to pydantic would name its members in the 400).
+ToolChoice = str | dict
 
 
 class ToolSetup(NamedTuple):
@@ -88,13 +89,20 @@ def tool_setup(tools: list[ToolSpec] | None, tool_choice: ToolChoice | None) -> 
     if tool_choice == "none":
         return ToolSetup(None, "", frozenset())
     specs = [tool.model_dump(exclude_none=True) for tool in tools]
-    if isinstance(tool_choice, NamedChoice):
-        name = tool_choice.function.name
+    if isinstance(tool_choice, dict):
+        try:
+            name = NamedChoice.model_validate(tool_choice).function.name
+        except ValidationError:
+            raise BadRequest('tool_choice: expected "auto", "none", "required" or {"type": "function", "function": '
+                             '{"name": "..."}}', "tool_choice") from None
         if name not in names:
             raise BadRequest(f"tool_choice.function.name: {name!r} is not a function of `tools` "
                              f"({', '.join(names)})", "tool_choice")
         return ToolSetup(specs, f'{EMPTY_THINK}<tool_call>\n{{"name": {json.dumps(name)}, "arguments": ',
                          frozenset(names))
+    if tool_choice not in (None, "auto", "required"):
+        raise BadRequest(f'tool_choice: {tool_choice!r}; expected "auto", "none", "required" or {{"type": "function", '
+                         f'"function": {{"name": "..."}}}}', "tool_choice")
     return ToolSetup(specs, f"{EMPTY_THINK}<tool_call>\n" if tool_choice == "required" else "", frozenset(names))
 
 

@@ -88,6 +88,8 @@ def test_a_malformed_call_comes_back_as_the_text_the_model_wrote(tmp_path, monke
      "Extra inputs"),
     ({"tools": [WEATHER, WEATHER]}, "tools", "two functions are named 'get_weather'"),
     ({"tool_choice": "auto"}, "tool_choice", "given without tools"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", "'sometimes'; expected \"auto\", \"none\""),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice", 'expected "auto", "none"'),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "shell"}}}, "tool_choice",
      "'shell' is not a function of `tools` (get_weather)"),
     ({"messages": [*HISTORY[:2], {**HISTORY[2], "tool_call_id": "call_other"}]}, "messages",
