@@ -177,9 +177,10 @@ def generate_text(model: CausalLM, tokenizer: Tokenizer, prompt_ids: list[int], 
     return chat_encoder(tokenizer).decode(new_ids)
 
 
-def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict]) -> list[int]:
-    """Ids of `messages` and an open assistant turn: what SFTDataset builds before that turn's answer."""
-    ids, _ = chat_encoder(tokenizer).encode(render_segments(messages, add_generation_prompt=True))
+def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """Ids of `messages` and an open assistant turn: what SFTDataset builds before that turn's answer. `tools`:
+    function specs offered in the system turn (dataset/chat_format.render_segments)."""
+    ids, _ = chat_encoder(tokenizer).encode(render_segments(messages, add_generation_prompt=True, tools=tools))
     return ids
 
 

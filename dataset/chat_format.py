@@ -80,6 +80,15 @@ def _check_tool_call(call: Any, n: int) -> dict:
     return {"name": call["name"], "arguments": call["arguments"]}
 
 
+def check_tools(tools: Any) -> list[dict]:
+    """The function specs of a "tools" field (a list, or a JSON string holding one); raises ValueError."""
+    tools = _from_json(tools, "tools")
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise ValueError('"tools" must be a list of function specs (JSON objects), e.g. '
+                         '[{"type": "function", "function": {"name": "...", "parameters": {...}}}]')
+    return tools
+
+
 def _check_message(message: Any, is_first: bool) -> dict:
     """The message as CHAT_TEMPLATE reads it; a first system message also carries its parsed "tools"."""
     if not isinstance(message, dict):
@@ -101,11 +110,7 @@ def _check_message(message: Any, is_first: bool) -> dict:
         where = "the first message, a system one" if field == "tools" else "assistant messages"
         raise ValueError(f'a {role} message has "{field}", which belongs to {where}')
     if role == "system" and "tools" in given:
-        tools = _from_json(message["tools"], "tools")
-        if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
-            raise ValueError('"tools" must be a list of function specs (JSON objects), e.g. '
-                             '[{"type": "function", "function": {"name": "...", "parameters": {...}}}]')
-        return {"role": role, "content": content, "tools": tools}  # parse_conversation takes "tools" out
+        return {"role": role, "content": content, "tools": check_tools(message["tools"])}  # taken out by the caller
     if role != "assistant":
         return {"role": role, "content": content}
     reasoning = message.get("reasoning_content")
@@ -136,15 +141,24 @@ def parse_conversation(messages: Any) -> Conversation:
 
 # ---- rendering: the text of model/chat_template.py, as segments ------------------------------
 
-def render_segments(messages: Any, add_generation_prompt: bool = False,
-                    drop_empty_think: bool = False) -> list[Segment]:
-    """The conversation as segments; `drop_empty_think` leaves out think blocks with no reasoning."""
-    turns, tools = parse_conversation(messages)
+def template_segments(text: str, trained: bool = False) -> list[Segment]:
+    """The format's own text (not data) as segments: each tag in it is cut out as a tag."""
+    return [Segment(part, _TAG_SPLIT.fullmatch(part) is not None, trained) for part in _TAG_SPLIT.split(text) if part]
+
+
+def render_segments(messages: Any, add_generation_prompt: bool = False, drop_empty_think: bool = False,
+                    tools: Any = None) -> list[Segment]:
+    """The conversation as segments; `drop_empty_think` leaves out think blocks with no reasoning. `tools` (as
+    `apply_chat_template(messages, tools=tools)` takes them) are offered in the system turn, as a first system
+    message's "tools" are: one or the other."""
+    turns, tools_in_messages = parse_conversation(messages)
+    if tools is not None and tools_in_messages:
+        raise ValueError('tools are given both apart and in the first message\'s "tools"; give them once')
+    tools = check_tools(tools) if tools is not None else tools_in_messages
     out: list[Segment] = []
 
     def template(text: str, trained: bool = False) -> None:  # the format's own text: its tags are cut out
-        out.extend(Segment(part, _TAG_SPLIT.fullmatch(part) is not None, trained)
-                   for part in _TAG_SPLIT.split(text) if part)
+        out.extend(template_segments(text, trained))
 
     def data(text: str, trained: bool = False) -> None:  # never cut: a tag written in the data is text
         if text:
@@ -200,9 +214,9 @@ def render_segments(messages: Any, add_generation_prompt: bool = False,
     return out
 
 
-def render_chat_text(messages: Any, add_generation_prompt: bool = False) -> str:
+def render_chat_text(messages: Any, add_generation_prompt: bool = False, tools: Any = None) -> str:
     """The conversation as one string, exactly as model/chat_template.py's CHAT_TEMPLATE renders it."""
-    return "".join(segment.text for segment in render_segments(messages, add_generation_prompt))
+    return "".join(segment.text for segment in render_segments(messages, add_generation_prompt, tools=tools))
 
 
 # ---- token ids and the loss mask ------------------------------------------------------------

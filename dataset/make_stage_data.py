@@ -24,6 +24,9 @@ It builds on make_demo_data.py's closed world (scripts/run_demo.sh runs that fir
   not ask about. The answer reward then scores the model on a phrasing it was never taught, and the eval
   (sft_demo_eval.jsonl) stays held out: its questions are the same phrasing about other items, or items no
   stage trains on.
+* tool_demo_eval.jsonl (eval_tools.py's format): questions offered dataset/tools.py's calculator and weather
+  tools, in the phrasing kept for the eval: arithmetic on numbers too large to know by heart (the calculator),
+  a capital's temperature (get_weather), and sft_demo_eval.jsonl's questions, which need no call.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ if __package__ in (None, ""):  # run as a file: the repository, not this folder,
 
 from dataset.make_demo_data import (COLOURS, COUNTRIES, SOUNDS, SYSTEM_PROMPTS, TASKS, eval_items, same_kind_answers,
                                     sample_question, split_held_out, write_jsonl)
+from dataset.tools import calculator, get_weather  # the tools' own answers are the tool-use eval's references
 
 # 1. LoRA's new domain: translating words, which pretraining and SFT never asked -----------------
 
@@ -141,6 +145,49 @@ def grpo_prompts(rng: random.Random, held_out: dict[str, set], evaluation: list[
     return prompts
 
 
+# 4. The tool-use eval: questions a tool answers, and questions that need none ----------------------
+
+TOOL_NAMES = ["calculator", "get_weather"]  # dataset/tools.py's DEMO_TOOLS, offered to every question
+
+
+def ask_arithmetic(a: int, op: str, b: int, lang: str) -> list[str]:
+    """Phrasings of `a op b`; the last is the eval's."""
+    if lang == "en":
+        return [f"Calculate {a} {op} {b}.", f"Work out {a} {op} {b}.", f"What is {a} {op} {b}?"]
+    return [f"计算{a}{op}{b}。", f"算一下{a}{op}{b}。", f"{a}{op}{b}等于多少？"]
+
+
+def ask_temperature(city: str, city_zh: str, lang: str) -> list[str]:
+    """Phrasings of a city's temperature; the last is the eval's. The tool takes the English name."""
+    if lang == "en":
+        return [f"What is the temperature in {city}?", f"How warm is it in {city}?",
+                f"How many degrees is it in {city} now?"]
+    return [f"{city_zh}的气温是多少？", f"{city_zh}现在几度？", f"{city_zh}现在多少度？"]
+
+
+def tool_eval_items(rng: random.Random, evaluation: list[dict], per_kind: int = 16) -> list[dict]:
+    """`per_kind` items each: arithmetic for the calculator, a temperature for get_weather, and an eval question
+    that needs no call; each with the call it needs (or null) and the final answer."""
+    items = []
+    for n in range(per_kind):
+        lang = ("en", "zh")[n % 2]
+        a, b, op = rng.randint(12, 999), rng.randint(12, 99), rng.choice("+-*")
+        expression = f"{a} {op} {b}"
+        items.append({"conversations": [{"role": "user", "content": ask_arithmetic(a, op, b, lang)[-1]}],
+                      "tools": TOOL_NAMES, "tool": "calculator", "arguments": {"expression": expression},
+                      "answer": str(calculator(expression)["result"]), "task": "calculator", "lang": lang})
+    for n, (_, _, city, city_zh) in enumerate(rng.sample(COUNTRIES, per_kind)):
+        lang = ("en", "zh")[n % 2]
+        items.append({"conversations": [{"role": "user", "content": ask_temperature(city, city_zh, lang)[-1]}],
+                      "tools": TOOL_NAMES, "tool": "get_weather", "arguments": {"city": city},
+                      "answer": f"{get_weather(city)['temperature_c']}°C", "task": "weather", "lang": lang})
+    for record in rng.sample(evaluation, per_kind):
+        *prompt, reference = record["conversations"]
+        items.append({"conversations": prompt, "tools": TOOL_NAMES, "tool": None, "arguments": None,
+                      "answer": reference["content"], "task": "no_tool", "lang": record["lang"]})
+    return items
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
@@ -160,6 +207,7 @@ def main() -> None:
     files["dpo_demo.jsonl"] = [dpo_pair(rng, held_out) for _ in range(args.dpo_lines)]
     files["dpo_demo_eval.jsonl"] = dpo_eval_pairs(random.Random(f"{args.seed}:dpo_eval"), evaluation)
     files["grpo_demo.jsonl"] = grpo_prompts(random.Random(f"{args.seed}:grpo"), held_out, evaluation)
+    files["tool_demo_eval.jsonl"] = tool_eval_items(random.Random(f"{args.seed}:tools"), evaluation)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for name, records in files.items():
         write_jsonl(args.out_dir / name, records)

@@ -3,7 +3,8 @@
 The model is chosen with eval_model.py's flags (sizes read off the weights) and answers as eval_model.py
 does: the same prompt (the chat template training uses), the same KV-cache generation, the answer after
 the think block as `content`; the think text, if any, is kept apart as `reasoning_content`. A request's
-temperature and top_p default to eval_model.py's (greedy), its max_tokens to --max_new_tokens.
+temperature and top_p default to eval_model.py's (greedy), its max_tokens to --max_new_tokens. A request's
+`tools` and `tool_choice` are OpenAI's, and the model's tool calls come back as `tool_calls` (scripts/openai_chat.py).
 
     python scripts/serve_openai_api.py --weight full_sft            # on 127.0.0.1:8998, this machine only
     python scripts/serve_openai_api.py --weight full_sft --lora demo   # with a LoRA adapter (train_lora.py)
@@ -46,9 +47,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tokenizers import Tokenizer
 
 from dataset.json_text import parse_json_text
+from dataset.tool_calls import visible_content
 from eval_model import add_model_flags, chat_encoder, chat_prompt_ids, find_weight_file, generate_ids, load_model
 from model.model import CausalLM
 from model.tokenizer import load_tokenizer
+from scripts.openai_chat import BadRequest, ToolChoice, ToolSpec, plain_messages, read_answer, reply_start_ids, \
+    tool_call_deltas, tool_setup
 from scripts.web import add_chat_page
 from trainer.hardening.checkpoint_io import trained_length
 
@@ -65,6 +69,8 @@ class ChatRequest(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = 1  # choices: one per request is served, other values are refused rather than ignored
     stream: bool = False
+    tools: list[ToolSpec] | None = None  # scripts/openai_chat.py: offered in the chat template's system turn
+    tool_choice: ToolChoice | None = None
 
 
 class Limits(NamedTuple):
@@ -80,14 +86,6 @@ class Limits(NamedTuple):
 def openai_error(status: int, message: str, param: str | None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": param,
                                    "code": None}}, status_code=status)
-
-
-class BadRequest(Exception):
-    """A request refused with a 400 in OpenAI's shape: the message, and the field it names (or None)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.message, self.param = message, param
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes | None:
@@ -122,25 +120,6 @@ def parse_chat_request(body: bytes) -> ChatRequest:
         first = error.errors()[0]
         field = ".".join(str(part) for part in first["loc"]) or None
         raise BadRequest(f"{field or 'the request body'}: {first['msg']}", field) from None
-
-
-def plain_messages(messages: list[dict]) -> list[dict]:
-    """OpenAI's messages in the schema dataset/chat_format.py checks: a content given as a list of text parts
-    becomes their texts joined by newlines, and `name` (the writer's name) is left out, as the chat template
-    has no place for it. Raises ValueError naming a part that is not text (an image, audio)."""
-    plain = []
-    for n, message in enumerate(messages, start=1):
-        if isinstance(message, dict):  # anything else is named by chat_format's check
-            message = {key: value for key, value in message.items() if key != "name"}
-            if isinstance(message.get("content"), list):
-                for k, part in enumerate(message["content"], start=1):
-                    if not (isinstance(part, dict) and part.get("type") == "text"
-                            and isinstance(part.get("text"), str)):
-                        raise ValueError(f'message {n}: content part {k} is not {{"type": "text", "text": "..."}}; '
-                                         f"this model reads text only")
-                message["content"] = "\n".join(part["text"] for part in message["content"])
-        plain.append(message)
-    return plain
 
 
 # ---- generation, token by token -----------------------------------------------------------------
@@ -278,9 +257,15 @@ def create_app(model: CausalLM, tokenizer: Tokenizer, model_id: str, limits: Lim
         if (body.max_tokens or 0) > limits.max_tokens_limit:
             return openai_error(400, f"max_tokens: {body.max_tokens} asked; this server writes at most "
                                      f"{limits.max_tokens_limit} tokens per reply (--max_tokens_limit)", "max_tokens")
+        try:
+            tools = tool_setup(body.tools, body.tool_choice)  # the tools offered, and how the reply starts
+        except BadRequest as error:
+            return openai_error(400, error.message, error.param)
         try:  # the project's one chat template, as in training and eval_model.py; in a thread, as a long
             # prompt takes seconds to tokenize and the other clients are answered meanwhile
-            prompt_ids = await asyncio.to_thread(lambda: chat_prompt_ids(tokenizer, plain_messages(body.messages)))
+            prompt_ids = await asyncio.to_thread(lambda: chat_prompt_ids(tokenizer, plain_messages(body.messages),
+                                                                         tools.specs)
+                                                 + reply_start_ids(tokenizer, tools.reply_start))
         except ValueError as error:
             return openai_error(400, f"messages: {error}", "messages")
         if len(prompt_ids) >= positions:
@@ -305,11 +290,29 @@ def create_app(model: CausalLM, tokenizer: Tokenizer, model_id: str, limits: Lim
             return {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
                     "total_tokens": len(prompt_ids) + len(ids)}
 
+        def shown(text: str) -> tuple[str, str]:
+            """(reasoning, answer) of the reply so far, as far as a stream may send them: with tools offered, the
+            answer up to a tool call (sent once whole, at the end)."""
+            reasoning, answer = split_reply(text)
+            return reasoning, visible_content(answer) if tools.names else answer
+
+        def final() -> tuple[str, str, list[dict]]:
+            """(reasoning, content, OpenAI tool_calls) of the whole reply; malformed calls stay text, and a line
+            in the log says why."""
+            reasoning, answer = split_reply(tools.reply_start + decode(ids))
+            content, calls, malformed = read_answer(answer, tools)
+            if malformed:
+                print(f"note: a reply's tool call is malformed ({malformed}): sent as text", file=sys.stderr,
+                      flush=True)
+            return reasoning, content, calls
+
         if not body.stream:
             async for new, finish_reason in reply:
                 ids.extend(new)
-            reasoning, content = split_reply(decode(ids))
-            message = {"role": "assistant", "content": content}
+            reasoning, content, calls = final()
+            message = {"role": "assistant", "content": content or None if calls else content}  # as OpenAI's
+            if calls:
+                message["tool_calls"], finish_reason = calls, "tool_calls"
             if reasoning:
                 message["reasoning_content"] = reasoning
             return {**head, "object": "chat.completion", "usage": usage(),
@@ -325,18 +328,21 @@ def create_app(model: CausalLM, tokenizer: Tokenizer, model_id: str, limits: Lim
             sent, written_at, finish_reason = ("", ""), time.monotonic(), None
             async for new, finish_reason in reply:
                 ids.extend(new)
-                text = decode(ids)
-                if not held_back(text) and (delta := grown(split_reply(text), sent)):
+                text = tools.reply_start + decode(ids)
+                if not held_back(text) and (delta := grown(shown(text), sent)):
                     yield chunk(delta)
-                    sent, written_at = split_reply(text), time.monotonic()
+                    sent, written_at = shown(text), time.monotonic()
                 elif time.monotonic() - written_at >= 1.0:
                     # Nothing to show yet (held back, whitespace the reply drops, or the model is busy): an SSE
                     # comment, which clients skip, tells a client with a read timeout that the reply goes on.
                     yield ": writing\n\n"
                     written_at = time.monotonic()
-            if delta := grown(split_reply(decode(ids)), sent):  # what was held back at the end
+            reasoning, content, calls = final()
+            if delta := grown((reasoning, content), sent):  # what was held back at the end
                 yield chunk(delta)
-            yield chunk({}, finish_reason, usage=usage())
+            for delta in tool_call_deltas(calls):
+                yield chunk(delta)
+            yield chunk({}, "tool_calls" if calls else finish_reason, usage=usage())
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")

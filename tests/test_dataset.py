@@ -236,7 +236,8 @@ def test_committed_demo_data_is_what_the_generator_writes(tmp_path):
         assert (tmp_path / name).read_bytes() == (DATA_DIR / name).read_bytes(), name
 
 
-STAGE_FILES = ["lora_demo.jsonl", "lora_demo_eval.jsonl", "dpo_demo.jsonl", "dpo_demo_eval.jsonl", "grpo_demo.jsonl"]
+STAGE_FILES = ["lora_demo.jsonl", "lora_demo_eval.jsonl", "dpo_demo.jsonl", "dpo_demo_eval.jsonl", "grpo_demo.jsonl",
+               "tool_demo_eval.jsonl"]
 
 
 def test_committed_stage_data_is_what_its_generator_writes(tmp_path):

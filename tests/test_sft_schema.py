@@ -382,3 +382,19 @@ def test_augmentations_do_what_minimind_does(tmp_path, demo_tokenizer):
 def test_augmentation_ratio_outside_0_to_1_is_refused(tmp_path, demo_tokenizer):
     with pytest.raises(ValueError, match="drop_empty_think_ratio is 1.5; it is a probability"):
         SFTDataset(augmentation_file(tmp_path), demo_tokenizer, 64, drop_empty_think_ratio=1.5)
+
+
+def test_tools_given_apart_render_as_transformers_renders_them_without_a_system_message(tagged_tokenizer):
+    """As apply_chat_template(messages, tools=tools): the server and the tool-use score offer tools this way."""
+    hf = PreTrainedTokenizerFast(tokenizer_object=tagged_tokenizer, chat_template=CHAT_TEMPLATE)
+    messages = [{"role": "user", "content": "Lima?"}]
+    text = render_chat_text(messages, add_generation_prompt=True, tools=TOOLS)
+    assert text == hf.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\n# Tools")  # no empty system text before the tools
+    with_system = [{"role": "system", "content": "Be brief."}, *messages]
+    assert render_chat_text(with_system, tools=json.dumps(TOOLS)) == hf.apply_chat_template(with_system, tools=TOOLS,
+                                                                                           tokenize=False)
+    with pytest.raises(ValueError, match="given both apart and in the first message"):
+        render_chat_text([{**with_system[0], "tools": TOOLS}, *messages], tools=TOOLS)
+    with pytest.raises(ValueError, match='"tools" must be a list of function specs'):
+        render_chat_text(messages, tools={"name": "f"})

@@ -1,0 +1,182 @@
+"""scripts/serve_openai_api.py speaks tools as OpenAI's API does (scripts/openai_chat.py).
+
+In this process, on a random tiny model (FastAPI's test client, as tests/test_serve_openai_api.py's flag tests):
+the tools are rendered into the prompt, tool_choice starts the reply, OpenAI's tool round trip is read, bad
+tools are refused naming the field, and a malformed call comes back as text. With TRAINER_SLOW_TESTS=1, a real
+server on a tiny model fine-tuned on one tool conversation (~30 s on the CPU, so that it writes the call greedily)
+is taken through the whole loop by the official `openai` client, whole and streamed: call, tool result, answer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+from conftest import REPO, child_env, free_port, run_args, train
+from dataset.tools import DEMO_TOOLS, run_tool
+from eval_model import chat_prompt_ids
+from model.tokenizer import load_tokenizer
+from scripts.openai_chat import EMPTY_THINK, reply_start_ids
+from test_serve_openai_api import openai_refusal, tiny_server
+
+WEATHER = DEMO_TOOLS["get_weather"].spec
+QUESTION = [{"role": "user", "content": "What is the temperature in Lima?"}]
+CALL_ID = "call_abc"
+HISTORY = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [
+    {"id": CALL_ID, "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Lima"}'}}]},
+           {"role": "tool", "tool_call_id": CALL_ID, "content": run_tool("get_weather", {"city": "Lima"}).text}]
+
+
+def prompt_tokens(http, **body) -> int:
+    response = http.post("/v1/chat/completions", json={"max_tokens": 1, **body})
+    assert response.status_code == 200, response.text
+    return response.json()["usage"]["prompt_tokens"]
+
+
+def test_tools_and_tool_choice_make_the_prompt_the_chat_template_renders(tmp_path, monkeypatch):
+    status, http = tiny_server(tmp_path, monkeypatch)
+    assert status == 0
+    tokenizer = load_tokenizer()
+    offered = len(chat_prompt_ids(tokenizer, QUESTION, [WEATHER]))
+    assert offered > len(chat_prompt_ids(tokenizer, QUESTION)) + 100  # the tools are in it
+    assert prompt_tokens(http, messages=QUESTION, tools=[WEATHER]) == offered
+    assert prompt_tokens(http, messages=QUESTION, tools=[WEATHER], tool_choice="auto") == offered
+    assert prompt_tokens(http, messages=QUESTION, tools=[WEATHER], tool_choice="none") == \
+        len(chat_prompt_ids(tokenizer, QUESTION))
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    start = reply_start_ids(tokenizer, f'{EMPTY_THINK}<tool_call>\n{{"name": "get_weather", "arguments": ')
+    assert prompt_tokens(http, messages=QUESTION, tools=[WEATHER], tool_choice=named) == offered + len(start)
+    # OpenAI's round trip: the assistant's null content and tool_calls, the tool's result naming its call
+    schema = [*QUESTION, {"role": "assistant", "content": "", "tool_calls": [
+        {"name": "get_weather", "arguments": '{"city": "Lima"}'}]}, {"role": "tool", "content": HISTORY[-1]["content"]}]
+    assert prompt_tokens(http, messages=HISTORY, tools=[WEATHER]) == len(chat_prompt_ids(tokenizer, schema, [WEATHER]))
+
+
+def test_a_malformed_call_comes_back_as_the_text_the_model_wrote(tmp_path, monkeypatch):
+    status, http = tiny_server(tmp_path, monkeypatch)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    # A random model, started on the call: what it writes after "arguments": is no JSON object.
+    for stream in (False, True):
+        response = http.post("/v1/chat/completions", json={"messages": QUESTION, "tools": [WEATHER], "max_tokens": 6,
+                                                            "tool_choice": named, "stream": stream})
+        assert response.status_code == 200, response.text
+        if stream:
+            chunks = [json.loads(line[6:]) for line in response.text.splitlines()
+                      if line.startswith("data: {")]
+            content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+            assert not any("tool_calls" in c["choices"][0]["delta"] for c in chunks)
+            finish = chunks[-1]["choices"][0]["finish_reason"]
+        else:
+            message = response.json()["choices"][0]["message"]
+            content, finish = message["content"], response.json()["choices"][0]["finish_reason"]
+            assert "tool_calls" not in message
+        assert content.startswith('<tool_call>\n{"name": "get_weather", "arguments": ') and finish == "length"
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools.0.function.name", "should match"),
+    ({"tools": [{"type": "code", "function": {"name": "f"}}]}, "tools.0.type", "'function'"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "params": {}}}]}, "tools.0.function.params",
+     "Extra inputs"),
+    ({"tools": [WEATHER, WEATHER]}, "tools", "two functions are named 'get_weather'"),
+    ({"tool_choice": "auto"}, "tool_choice", "given without tools"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", "'sometimes'; expected \"auto\", \"none\""),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice", 'expected "auto", "none"'),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "shell"}}}, "tool_choice",
+     "'shell' is not a function of `tools` (get_weather)"),
+    ({"messages": [*HISTORY[:2], {**HISTORY[2], "tool_call_id": "call_other"}]}, "messages",
+     "message 3: tool_call_id 'call_other' names no call of the assistant message before it (call_abc)"),
+    ({"messages": [*QUESTION, {"role": "tool", "content": "18"}]}, "messages", "message 2: tool_call_id None"),
+])
+def test_bad_tools_are_refused_naming_the_field(tmp_path, monkeypatch, body, param, words):
+    status, http = tiny_server(tmp_path, monkeypatch)
+    code, got_param, message = openai_refusal(http.post("/v1/chat/completions",
+                                                        json={"messages": QUESTION, "max_tokens": 1, **body}))
+    assert (code, got_param) == (400, param) and words in message, message
+
+
+# ---- the whole loop, with the official client, on a model that calls the tool (slow) ----------------------
+
+SLOW = pytest.mark.skipif(os.environ.get("TRAINER_SLOW_TESTS") != "1",
+                          reason="trains a model for ~30 s; set TRAINER_SLOW_TESTS=1 (.ci/run does)")
+ANSWER = "24°C"
+
+
+@pytest.fixture(scope="module")
+def tool_server(tmp_path_factory):
+    """The base URL of a server whose model calls get_weather for QUESTION, then answers ANSWER from its result."""
+    root = tmp_path_factory.mktemp("serve_tools")
+    conversation = [{"role": "system", "content": "", "tools": [WEATHER]}, *QUESTION,
+                    {"role": "assistant", "content": "", "tool_calls": [{"name": "get_weather",
+                                                                          "arguments": {"city": "Lima"}}]},
+                    {"role": "tool", "content": HISTORY[-1]["content"]}, {"role": "assistant", "content": ANSWER}]
+    data = root / "tools.jsonl"
+    data.write_text((json.dumps({"conversations": conversation}, ensure_ascii=False) + "\n") * 8, encoding="utf-8")
+    train("train_full_sft.py", None, run_args(root, data, "--from_weight", "none", "--batch_size", "8", "--epochs",
+                                              "100", "--learning_rate", "1e-2", "--warmup_ratio", "0",
+                                              "--max_seq_len", "512"), root)
+    port = free_port()
+    log = open(root / "server.log", "w+")
+    server = subprocess.Popen([sys.executable, str(REPO / "scripts" / "serve_openai_api.py"), "--weight", "full_sft",
+                               "--save_dir", str(root / "out"), "--device", "cpu", "--port", str(port)],
+                              cwd=root, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while True:
+            assert server.poll() is None and time.time() < deadline, Path(log.name).read_text()
+            try:
+                urllib.request.urlopen(f"{base}/v1/models", timeout=2).close()
+                break
+            except OSError:
+                time.sleep(0.2)
+        yield base
+    finally:
+        server.terminate()
+        server.wait(timeout=15)
+        log.close()
+
+
+def turn(client: OpenAI, messages: list, stream: bool) -> tuple[str | None, list[dict], str]:
+    """(content, tool_calls as dicts, finish_reason) of one reply, whole or with the stream's deltas joined."""
+    if not stream:
+        reply = client.chat.completions.create(model="m", messages=messages, tools=[WEATHER], max_tokens=64)
+        message = reply.choices[0].message
+        return message.content, [call.model_dump() for call in message.tool_calls or []], reply.choices[0].finish_reason
+    content, calls, finish = None, {}, None
+    for chunk in client.chat.completions.create(model="m", messages=messages, tools=[WEATHER], max_tokens=64,
+                                                stream=True):
+        delta = chunk.choices[0].delta
+        content = (content or "") + delta.content if delta.content is not None else content
+        for piece in delta.tool_calls or []:  # pieced together by index, as OpenAI's own clients do
+            call = calls.setdefault(piece.index, {"id": None, "type": "function",
+                                                  "function": {"name": "", "arguments": ""}})
+            call["id"] = piece.id or call["id"]
+            call["function"]["name"] += piece.function.name or ""
+            call["function"]["arguments"] += piece.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+@SLOW
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_the_official_client_takes_a_tool_call_round_trip_to_the_answer(tool_server, stream):
+    client = OpenAI(base_url=f"{tool_server}/v1", api_key="not-checked", max_retries=0, timeout=60)
+    messages = list(QUESTION)
+    content, calls, finish = turn(client, messages, stream)
+    assert finish == "tool_calls" and not content
+    [call] = calls
+    assert call["id"].startswith("call_") and call["type"] == "function"
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Lima"}'}
+    result = run_tool(call["function"]["name"], json.loads(call["function"]["arguments"]))
+    messages += [{"role": "assistant", "content": None, "tool_calls": calls},
+                 {"role": "tool", "tool_call_id": call["id"], "content": result.text}]
+    assert turn(client, messages, stream) == (ANSWER, [], "stop")
