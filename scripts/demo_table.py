@@ -1,6 +1,6 @@
-"""The demo's before-and-after table: random weights, after pretraining, after SFT, SFT + LoRA, after DPO, after GRPO.
+"""The demo's before-and-after table: random weights, pretrained, SFT, SFT + LoRA, DPO, GRPO, and two students.
 
-    python scripts/demo_table.py --hidden_size 128    # after scripts/run_demo.sh has trained the five stages
+    python scripts/demo_table.py --hidden_size 128    # after scripts/run_demo.sh has trained its stages
 
 Each row is one model, scored five ways (the numbers eval_model.py prints for each alone):
   val bits per byte  on dataset/val_demo.jsonl, text pretraining never saw (as --bpb_data with --max_seq_len
@@ -17,6 +17,9 @@ The random weights are the ones pretraining starts from: drawn with the trainer'
 trainer/train_pretrain.py) at the sizes of out/pretrain_*.pth. Only the SFT model was taught to answer in
 the chat format, so exact match before SFT is expected near 0; the multiple choice reads plain
 "Q: ... A:" text, which pretraining has seen, so it can show what pretraining learned.
+The two students are half the SFT model's depth, from random weights, trained on SFT's data with its steps: by SFT
+alone (out/student_sft_*.pth) and distilled from the SFT model's logits (out/student_distill_*.pth); with their runs'
+steps and times below the table, the second's including the teacher's forward.
 Below the table, what GRPO optimises, on the same held-out questions: how often an answer sampled as GRPO samples
 them (temperature 1, --samples per question, the answer reward) is right, after SFT and after GRPO, and the
 GRPO run's steps and time (out/grpo_*_status.json).
@@ -46,6 +49,14 @@ from eval_model import add_model_flags, evaluate_exact_match, file_loss, load_mo
 from model.model import CausalLM
 from model.tokenizer import load_tokenizer
 from trainer.trainer_utils import REPO_ROOT, setup_seed
+
+
+STUDENT = {"num_hidden_layers": None}  # the students' depth is their files' (half the size flags')
+
+
+def depth(model: CausalLM) -> str:
+    layers = model.config.num_hidden_layers
+    return f"{layers} layer{'s' * (layers != 1)}"
 
 
 def initial_model(like: CausalLM, seed: int) -> CausalLM:
@@ -91,9 +102,10 @@ def sampled_right(model: CausalLM, tokenizer: Tokenizer, eval_data: str, samples
     return right / (samples * len(questions))
 
 
-def grpo_run_time(save_dir: str, hidden_size: int) -> str:
-    """'N steps in T s' of the GRPO run whose weights the table scored, from its status file (this invocation's)."""
-    status = json.loads((Path(save_dir) / f"grpo_{hidden_size}_status.json").read_text(encoding="utf-8"))
+def run_time(save_dir: str, run: str) -> str:
+    """'N steps in T s' of the run whose weights the table scored (`run`: grpo_128), from its status file (this
+    invocation's)."""
+    status = json.loads((Path(save_dir) / f"{run}_status.json").read_text(encoding="utf-8"))
     steps = status["current_step"]
     return f"{steps} step{'s' * (steps != 1)} in {status['updated'] - status['started']:.0f} s"
 
@@ -136,10 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731 (stdout carries the table only)
     try:
-        pretrained, sft, dpo, grpo = [load_model(argparse.Namespace(**{**vars(args), "weight": weight, "lora": None}),
-                                                 tokenizer, device, log)
-                                      for weight in ("pretrain", "full_sft", "dpo", "grpo")]
-        grpo_time = grpo_run_time(args.save_dir, grpo.config.hidden_size)
+        pretrained, sft, dpo, grpo, student_sft, student_distill = [
+            load_model(argparse.Namespace(**{**vars(args), "weight": weight, "lora": None, **layers}), tokenizer,
+                       device, log)
+            for weight, layers in (("pretrain", {}), ("full_sft", {}), ("dpo", {}), ("grpo", {}),
+                                   ("student_sft", STUDENT), ("student_distill", STUDENT))]
+        hidden = grpo.config.hidden_size
+        grpo_time, sft_time, distill_time = (run_time(args.save_dir, f"{run}_{hidden}")
+                                             for run in ("grpo", "student_sft", "student_distill"))
         lora = load_model(argparse.Namespace(**{**vars(args), "weight": "full_sft"}), tokenizer, device, log)
     except (FileNotFoundError, RuntimeError) as error:
         print(f"error: {error}; run the demo's training stages first (bash scripts/run_demo.sh)", file=sys.stderr)
@@ -147,11 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name, model in (("random weights", initial_model(pretrained, args.seed)), ("after pretraining", pretrained),
                         ("after SFT", sft), ("SFT + LoRA", lora), ("after DPO (from SFT)", dpo),
-                        ("after GRPO (from SFT)", grpo)):
+                        ("after GRPO (from SFT)", grpo),
+                        (f"student, {depth(student_sft)}, SFT alone", student_sft),
+                        (f"student, {depth(student_distill)}, distilled from SFT", student_distill)):
         start = time.perf_counter()
         rows.append((name, stage_scores(model, tokenizer, args)))
         log(f"{name}: scored in {time.perf_counter() - start:.1f} s")
     print(format_table(rows), flush=True)
+    print(f"(the students: SFT alone {sft_time}, distilled {distill_time}, the teacher's forward included)", flush=True)
     # DPO moves each answer's log-probability away from the model it started from: its implicit reward. The share
     # of held-out pairs whose reward is higher for the right answer says whether it moved the right way (a model
     # that did not move: 0 %, every reward being 0; one that moved at random: about 50 %).

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The whole pipeline on a laptop-class CPU in a few minutes:
-#   demo data -> pretrain -> SFT -> LoRA -> DPO -> GRPO -> before-and-after table -> chat answers -> curves.
+#   demo data -> pretrain -> SFT -> LoRA -> DPO -> GRPO -> distillation -> before-and-after table -> chat -> curves.
 # Sizes are small on purpose (a ~1M-parameter model, 0.59M with --quick); the flags are the same on a GPU.
 #
 #   bash scripts/run_demo.sh                  # 4 layers, 2 epochs of pretraining and 2 of SFT: 7 min 37 s on a quiet 2-core CPU
-#   bash scripts/run_demo.sh --quick          # the same nine stages on 2 layers, 1 epoch of pretraining: 4 min 1 s there
+#   bash scripts/run_demo.sh --quick          # the same ten stages on 2 layers, 1 epoch of pretraining: 4 min 1 s there
 #   bash scripts/run_demo.sh --check_machine  # only the check below: is the machine busy or small?
 #
 # It first looks at the machine: on fewer than 2 cores, or with a 1-minute load average of half the cores or
@@ -64,6 +64,7 @@ stop_if_stopped() { if grep -q '"status": "stopped"' "out/$1_status.json" 2>/dev
 export MKL_CBWR="${MKL_CBWR:-AVX2,STRICT}"
 if [[ "$(uname -m)" == x86_64 ]]; then export ATEN_CPU_CAPABILITY="${ATEN_CPU_CAPABILITY:-avx2}"; fi
 SIZE=(--hidden_size 128 --num_hidden_layers "$layers" --num_attention_heads 4 --num_key_value_heads 2)
+STUDENT=(--hidden_size 128 --num_hidden_layers "$((layers / 2))" --num_attention_heads 4 --num_key_value_heads 2)
 
 echo "== 1. demo data (deterministic: rewrites the committed files byte for byte)"
 python dataset/make_demo_data.py
@@ -98,15 +99,25 @@ python trainer/train_grpo.py "${SIZE[@]}" --max_seq_len 64 --max_completion_len 
     --learning_rate 2e-4 --epochs 6 --rewards answer --log_interval 2 --save_interval 200
 stop_if_stopped grpo_128
 
-echo "== 7. before and after: random weights, pretrained, SFT, SFT + LoRA, DPO, GRPO on held-out data (scripts/demo_table.py)"
+# A student half as deep, from random weights, trained twice on SFT's data with SFT's steps and seed: by SFT alone, and
+# distilled from out/full_sft_128.pth's logits (alpha 0.5: half the loss SFT's, half the teacher's, at temperature 2).
+echo "== 7. distillation: a $((layers / 2))-layer student from the $layers-layer SFT model, beside the same student by SFT alone"
+python trainer/train_full_sft.py "${STUDENT[@]}" --from_weight none --save_weight student_sft --max_seq_len 192 \
+    --batch_size 32 --learning_rate 1e-3 --epochs "$sft_epochs" --log_interval 50 --save_interval 200
+stop_if_stopped student_sft_128
+python trainer/train_distillation.py "${STUDENT[@]}" --teacher_weight full_sft --save_weight student_distill \
+    --max_seq_len 192 --batch_size 32 --learning_rate 1e-3 --epochs "$sft_epochs" --log_interval 50 --save_interval 200
+stop_if_stopped student_distill_128
+
+echo "== 8. before and after: random weights, pretrained, SFT, SFT + LoRA, DPO, GRPO, the students on held-out data (scripts/demo_table.py)"
 python scripts/demo_table.py "${SIZE[@]}"
 
-echo "== 8. chat"
+echo "== 9. chat"
 python eval_model.py --weight full_sft "${SIZE[@]}" --prompt "What is the capital of France?"
 python eval_model.py --weight full_sft "${SIZE[@]}" --prompt "3加4等于几？"
 python eval_model.py --weight full_sft --lora demo "${SIZE[@]}" --prompt "What is Paris in Chinese?"
 
-echo "== 9. curves: pretraining's loss, GRPO's reward"
+echo "== 10. curves: pretraining's loss, GRPO's reward"
 python scripts/plot_metrics.py out/pretrain_128_metrics.jsonl -o out/pretrain_128_curves.png
 python scripts/plot_metrics.py out/grpo_128_metrics.jsonl -o out/grpo_128_curves.png
 echo "== done in $((SECONDS / 60)) min $((SECONDS % 60)) s; the curves: out/pretrain_128_curves.png, out/grpo_128_curves.png"

@@ -47,6 +47,18 @@ def run(tmp_path_factory):
     result = subprocess.run(launch_command("train_grpo.py", None, [*TINY_MODEL, *args]), cwd=root,
                             env=child_env(), capture_output=True, text=True, timeout=300)
     assert_exit_code(result)
+    # The two students, one layer to the teacher's two: a real step of SFT alone and of distillation from full_sft_32
+    conversations = slice_jsonl(REPO / "dataset" / "sft_demo.jsonl", root / "sft.jsonl", 4)
+    student = [*TINY_MODEL[:TINY_MODEL.index("--num_hidden_layers") + 1], "1",
+               *TINY_MODEL[TINY_MODEL.index("--num_hidden_layers") + 2:]]
+    for script, weight in (("train_full_sft.py", "student_sft"), ("train_distillation.py", "student_distill")):
+        args = run_args(root, conversations, "--batch_size", "4", "--max_steps", "1", "--from_weight", "none",
+                        "--save_weight", weight)
+        args[args.index("--metrics_dir") + 1] = str(root / "out")
+        args[args.index("--save_debug_train_output") + 1] = str(root / f"{weight}_trace.jsonl")
+        result = subprocess.run(launch_command(script, None, [*student, *args]), cwd=root, env=child_env(),
+                                capture_output=True, text=True, timeout=300)
+        assert_exit_code(result)
     return root
 
 
@@ -80,7 +92,10 @@ def test_the_table_has_one_row_per_model_with_its_scores_on_the_given_files(run,
     lines = capsys.readouterr().out.splitlines()
     rows = [line for line in lines if line.startswith("| ") and not line.startswith("| weights")]
     assert [row.split(" | ")[0] for row in rows] == ["| random weights", "| after pretraining", "| after SFT",
-                                                     "| SFT + LoRA", "| after DPO (from SFT)", "| after GRPO (from SFT)"]
+                                                     "| SFT + LoRA", "| after DPO (from SFT)", "| after GRPO (from SFT)",
+                                                     "| student, 1 layer, SFT alone",
+                                                     "| student, 1 layer, distilled from SFT"]
+    assert rows[6].split(" | ")[1] != rows[7].split(" | ")[1]  # two runs, two students
     assert rows[1].split(" | ")[1:] == rows[2].split(" | ")[1:] == rows[4].split(" | ")[1:]  # one file, three names
     assert rows[3].split(" | ")[1] != rows[2].split(" | ")[1]  # the adapter (random B) moves the bits per byte
 
@@ -98,7 +113,8 @@ def test_the_table_has_one_row_per_model_with_its_scores_on_the_given_files(run,
                        f"{domain_correct}/2 = {50.0 * domain_correct:.1f} % | {100 * prefers:.1f} % |")
     assert lines[-2] == "(after DPO: its implicit reward against the SFT model prefers the right answer on 0.0 % of " \
         "the held-out pairs)"  # the same weights as SFT's: every reward is 0, and a tie is no preference
-    assert lines[-3] == ("(multiple choice: 6 items, chance 25.0 %; exact match: 2 held-out chat questions; "
+    assert lines[-3].startswith("(the students: SFT alone 1 step in ") and ", distilled 1 step in " in lines[-3]
+    assert lines[-4] == ("(multiple choice: 6 items, chance 25.0 %; exact match: 2 held-out chat questions; "
                          "LoRA's domain: 2 translations in an unseen phrasing; prefers right: 5 held-out pairs)")
 
 
