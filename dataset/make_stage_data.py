@@ -162,7 +162,7 @@ def ask_temperature(city: str, city_zh: str, lang: str) -> list[str]:
     if lang == "en":
         return [f"What is the temperature in {city}?", f"How warm is it in {city}?",
                 f"How many degrees is it in {city} now?"]
-    return [f"{city_zh}的气温是多少？", f"{city_zh}现在几度？", f"{city_zh}现在多少度？"]
+    return [f"{city_zh}的气温是多少？", f"{city_zh}有几度？", f"{city_zh}是多少度？"]
 
 
 def tool_eval_items(rng: random.Random, evaluation: list[dict], per_kind: int = 16) -> list[dict]:
