@@ -59,8 +59,9 @@ trap interrupted INT
 stop_if_stopped() { if grep -q '"status": "stopped"' "out/$1_status.json" 2>/dev/null; then interrupted; fi; }
 # The same numbers on any x86 machine and any thread count: MKL's matrix products in its strict reproducible mode
 # (results independent of the thread count and of AVX2 vs AVX-512) and torch's own kernels on AVX2 everywhere.
-# Without these, 1 and 2 threads differ after 10 steps (last bits first), and the demo's small models end in
-# different places (exact match after SFT moved 16 points between two machines). Set either yourself to override.
+# Without these, 1 and 2 threads differed after 10 steps on an Intel CPU (last bits first; on an AMD EPYC they
+# agreed), and the demo's small models ended in different places (exact match after SFT moved 16 points between two
+# machines). Set either yourself to override.
 export MKL_CBWR="${MKL_CBWR:-AVX2,STRICT}"
 if [[ "$(uname -m)" == x86_64 ]]; then export ATEN_CPU_CAPABILITY="${ATEN_CPU_CAPABILITY:-avx2}"; fi
 SIZE=(--hidden_size 128 --num_hidden_layers "$layers" --num_attention_heads 4 --num_key_value_heads 2)

@@ -148,6 +148,6 @@ def test_the_demos_numerics_make_one_and_two_threads_train_the_same_weights(tmp_
     assert numerics["MKL_CBWR"] == "AVX2,STRICT"
     same = [demo_sized_weights(tmp_path / f"pinned_{t}", t, **numerics) for t in (1, 2)]
     assert all(torch.equal(same[0][name], same[1][name]) for name in same[0])
-    # Without them the thread count shows within these 4 steps: the comparison above can fail.
-    plain = [demo_sized_weights(tmp_path / f"plain_{t}", t) for t in (1, 2)]
-    assert not all(torch.equal(plain[0][name], plain[1][name]) for name in plain[0])
+    # Without the pinning, whether the thread count shows in these 4 steps is the CPU's: on the Intel machine the
+    # demo was measured on it did (the last bits first), on an AMD EPYC 1 and 2 threads agreed. So no run without it
+    # is asserted here: the pinning's promise is the equality above, on every machine.
