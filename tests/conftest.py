@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -117,6 +118,19 @@ def wait_until(condition, job: subprocess.Popen, timeout: float = 120) -> None:
         assert job.poll() is None, f"the job ended (exit {job.returncode}) before the moment the test waits for"
         assert time.time() < deadline, "timed out waiting for the job"
         time.sleep(0.05)
+
+
+def wait_for_server(server: subprocess.Popen, base: str, log: Path, timeout: float = 60) -> None:
+    """Until the server at `base` answers GET /v1/models; it exiting first, or `timeout` seconds, fail with its log."""
+    deadline = time.time() + timeout
+    while True:
+        assert server.poll() is None, f"the server exited {server.returncode}:\n{log.read_text()}"
+        assert time.time() < deadline, f"the server did not answer in {timeout:.0f} s:\n{log.read_text()}"
+        try:
+            urllib.request.urlopen(f"{base}/v1/models", timeout=2).close()
+            return
+        except OSError:
+            time.sleep(0.2)
 
 
 def run_args(run_dir: Path, data: Path, *extra: str) -> list[str]:

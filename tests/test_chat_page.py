@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, child_env, free_port, run_args, train
+from conftest import REPO, child_env, free_port, run_args, train, wait_for_server
 from eval_model import chat_prompt_ids
 from model.tokenizer import load_tokenizer
 from test_serve_openai_api import tiny_server
@@ -88,15 +86,7 @@ def served(tmp_path_factory):
                               cwd=root, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 60
-        while True:
-            assert server.poll() is None, f"the server exited {server.returncode}:\n{Path(log.name).read_text()}"
-            assert time.time() < deadline, f"the server did not answer in 60 s:\n{Path(log.name).read_text()}"
-            try:
-                urllib.request.urlopen(f"{base}/v1/models", timeout=2).close()
-                break
-            except OSError:
-                time.sleep(0.2)
+        wait_for_server(server, base, Path(log.name))
         yield base
     finally:
         server.terminate()

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from openai import APITimeoutError, BadRequestError, OpenAI
+from openai import BadRequestError, OpenAI
 
 import eval_model
-from conftest import REPO, child_env, free_port, run_args, train
+from conftest import REPO, child_env, free_port, run_args, train, wait_for_server
 from model.tokenizer import load_tokenizer
 from scripts.serve_openai_api import held_back, split_reply
 
@@ -63,15 +63,7 @@ def served(tmp_path_factory):
                                str(TIME_LIMIT_S)], cwd=root, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 60
-        while True:
-            assert server.poll() is None, f"the server exited {server.returncode}:\n{Path(log.name).read_text()}"
-            assert time.time() < deadline, f"the server did not answer in 60 s:\n{Path(log.name).read_text()}"
-            try:
-                urllib.request.urlopen(f"{base}/v1/models", timeout=2).close()
-                break
-            except OSError:
-                time.sleep(0.2)
+        wait_for_server(server, base, Path(log.name))
         yield base, eval_model.build_arg_parser().parse_args(model_flags)
     finally:
         server.terminate()

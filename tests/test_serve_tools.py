@@ -13,14 +13,12 @@ import json
 import os
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from openai import OpenAI
 
-from conftest import REPO, child_env, free_port, run_args, train
+from conftest import REPO, child_env, free_port, run_args, train, wait_for_server
 from dataset.tools import DEMO_TOOLS, run_tool
 from eval_model import chat_prompt_ids
 from model.tokenizer import load_tokenizer
@@ -130,14 +128,7 @@ def tool_server(tmp_path_factory):
                               cwd=root, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 60
-        while True:
-            assert server.poll() is None and time.time() < deadline, Path(log.name).read_text()
-            try:
-                urllib.request.urlopen(f"{base}/v1/models", timeout=2).close()
-                break
-            except OSError:
-                time.sleep(0.2)
+        wait_for_server(server, base, Path(log.name))
         yield base
     finally:
         server.terminate()
