@@ -6,7 +6,9 @@ The prompt is every message before the last assistant message, rendered with the
 generation header (`<|im_start|>assistant\\n`), as the model will be asked; that last assistant message is the
 reference answer the answer reward compares with. minimind's rlaif.jsonl lines drop in: a line that ends with
 a user message, or whose last assistant message is empty, has no answer, which a reward that needs one
-(dataset/rewards.py: NEEDS_ANSWER) refuses before training, naming the file and line.
+(dataset/rewards.py: NEEDS_ANSWER) refuses before training, naming the file and line. With tools (--max_turns 2 or
+more: dataset/tool_rollouts.py) the tools a prompt offers are its first system message's "tools" (function specs),
+run by name from dataset/tools.py's DEMO_TOOLS; a spec naming another tool is refused the same way.
 
 Item i is (input_ids, labels), each [max_prompt_len]: the prompt's ids, right-padded; labels mark the prompt's
 tokens (-100 on padding), so the loop reads the prompt's length from them and the loader's placeholder (all
@@ -33,6 +35,7 @@ from dataset.chat_format import ChatEncoder, Segment, parse_conversation, render
 from dataset.jsonl_file import DataFileError, JsonlFile, each_record_on_its_rank
 from dataset.lm_dataset import IGNORE_INDEX, _pad
 from dataset.rewards import NEEDS_ANSWER
+from dataset.tools import DEMO_TOOLS, Tool
 from model.model import LMConfig
 from model.tokenizer import EOS_ID, PAD_ID
 
@@ -49,9 +52,24 @@ def split_prompt(messages: list) -> tuple[list, str | None]:
     return messages, None
 
 
-def check_prompt(record: dict, needs_answer: bool) -> None:
-    """The check of each line: a conversation with a prompt, and an answer when a reward compares with one."""
+def offered_tools(messages: list, tools: dict[str, Tool] = DEMO_TOOLS) -> dict[str, Tool]:
+    """The tools the first system message's "tools" offer, by name from `tools`; ValueError naming one not there."""
+    offered = {}
+    for spec in parse_conversation(messages).tools:
+        name = (spec.get("function") if isinstance(spec.get("function"), dict) else spec).get("name")
+        if name not in tools:
+            raise ValueError(f'"tools" offers {name!r}, which is not a tool this trainer runs (dataset/tools.py\'s '
+                             f'DEMO_TOOLS: {", ".join(tools)}): offer only those, or add yours there')
+        offered[name] = tools[name]
+    return offered
+
+
+def check_prompt(record: dict, needs_answer: bool, runs_tools: bool = False) -> None:
+    """The check of each line: a conversation with a prompt, an answer when a reward compares with one, and
+    tools that run when the rollouts call them."""
     prompt, answer = split_prompt(record.get("conversations"))
+    if runs_tools:
+        offered_tools(prompt)
     if not any(m["role"] == "user" for m in prompt):
         raise ValueError(f"no user message before the answer, so nothing to ask: each line is {EXAMPLE}")
     if needs_answer and answer is None:
@@ -64,11 +82,12 @@ class GRPODataset(Dataset):
     (input_ids, labels), the prompt, [max_prompt_len]."""
 
     def __init__(self, data_path: str | os.PathLike, tokenizer: Tokenizer, max_prompt_len: int, rewards: dict,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, runs_tools: bool = False):
         self.rewards = rewards  # {name: function} (dataset/rewards.py: reward_functions) that score the completions
-        # Every line checked before training; its answer too, where a reward compares with it
+        # Every line checked before training; its answer too, where a reward compares with it; its tools, if they run
         needs_answer = bool(NEEDS_ANSWER & set(rewards))
-        self.source = JsonlFile.shared(data_path, validate=partial(check_prompt, needs_answer=needs_answer))
+        self.source = JsonlFile.shared(data_path, validate=partial(check_prompt, needs_answer=needs_answer,
+                                                                   runs_tools=runs_tools))
         self.encoder = ChatEncoder(tokenizer)  # the SFT stage's encoder: tags by their ids, text as text
         self.max_prompt_len = max_prompt_len
         # The prompts longer than max_prompt_len (sorted indices), cut from the left: said here, counted in the metrics
@@ -93,6 +112,10 @@ class GRPODataset(Dataset):
     def answer(self, i: int) -> str | None:
         """The reference answer of prompt i (None: the line has none, or i is the loader's placeholder, -1)."""
         return None if i < 0 else split_prompt(self.source.read(i)["conversations"])[1]
+
+    def tools(self, i: int) -> dict[str, Tool]:
+        """The tools prompt i offers (its first system message's "tools"), as dataset/tools.py runs them."""
+        return offered_tools(split_prompt(self.source.read(i)["conversations"])[0])
 
     def count_cut(self, indices: torch.Tensor) -> int:
         """How many of the prompts `indices` are among those cut (`cut`)."""

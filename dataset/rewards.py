@@ -6,7 +6,13 @@ last assistant message in the data, None where a line has none) and returns one 
     def my_reward(completions: list[str], answers: list[str | None]) -> list[float]: ...
 
 Add yours to REWARDS and name it with --rewards (e.g. `--rewards answer,format,my_reward`); the rewards named
-are added up. `score` calls them and refuses, in one line naming the function, one that raises, returns a
+are added up. With tools (train_grpo.py --max_turns N > 1) a completion is the rollout's FINAL turn, so the rewards
+above score its final answer unchanged; a reward that reads the whole rollout is also named in NEEDS_ROLLOUTS and is
+called with a third argument, `rollouts`: per completion a dataset/tool_rollouts.Rollout (the model's text of each
+turn, and each call it made with the problem that kept it from validating, or None):
+
+    def my_tool_reward(completions: list[str], answers: list[str | None], rollouts: list[Rollout]) -> list[float]: ...
+ `score` calls them and refuses, in one line naming the function, one that raises, returns a
 value that is not a finite number, or the wrong count: the step is not applied (the loop stops before it).
 """
 
@@ -71,9 +77,17 @@ def brevity_reward(completions: list[str], answers: list[str | None]) -> list[fl
     return [1.0 - min(len(final_answer(completion)), 200) / 200 for completion in completions]
 
 
-REWARDS: dict[str, Callable[[list[str], list], list[float]]] = {"answer": answer_reward, "format": format_reward,
-                                                                "brevity": brevity_reward}
+def tool_reward(completions: list[str], answers: list[str | None], rollouts: list) -> list[float]:
+    """The share of a rollout's calls that validate: well-formed, naming an offered tool, with arguments that fit its
+    schema, and (where it ran) answered by the tool; a malformed call or a failed run counts 0. No call: 0.0."""
+    return [sum(call.problem is None for call in rollout.calls) / len(rollout.calls) if rollout.calls else 0.0
+            for rollout in rollouts]
+
+
+REWARDS: dict[str, Callable[..., list[float]]] = {"answer": answer_reward, "format": format_reward,
+                                                  "brevity": brevity_reward, "tool": tool_reward}
 NEEDS_ANSWER = {"answer"}  # the rewards that compare with the reference answer: a line must have one
+NEEDS_ROLLOUTS = {"tool"}  # the rewards called with the rollouts too (train_grpo.py --max_turns 2 or more)
 
 
 def reward_functions(names: str) -> dict[str, Callable]:
@@ -86,14 +100,17 @@ def reward_functions(names: str) -> dict[str, Callable]:
     return {name: REWARDS[name] for name in chosen}
 
 
-def score(functions: dict[str, Callable], completions: list[str], answers: list[str | None]) -> list[float]:
-    """Each completion's reward: the named functions' values added up. A function that raises, or returns
-    other than one finite number per completion: RewardError naming it."""
+def score(functions: dict[str, Callable], completions: list[str], answers: list[str | None],
+          rollouts: list | None = None) -> list[float]:
+    """Each completion's reward: the named functions' values added up (those in NEEDS_ROLLOUTS also given
+    `rollouts`). A function that raises, or returns other than one finite number per completion: RewardError
+    naming it."""
     totals = [0.0] * len(completions)
     for name, function in functions.items():
         where = f"reward {name!r} ({function.__module__}.{function.__qualname__})"
+        extra = (rollouts,) if name in NEEDS_ROLLOUTS else ()  # the rollouts, to the functions that read them
         try:
-            values = list(function(completions, answers))
+            values = list(function(completions, answers, *extra))
         except Exception as error:  # a user's function: whatever it raises, one line that names it
             raise RewardError(f"{where} raised {type(error).__name__}: {error}") from None
         if len(values) != len(completions):
@@ -106,14 +123,17 @@ def score(functions: dict[str, Callable], completions: list[str], answers: list[
 
 
 def score_groups(functions: dict[str, Callable], groups: list[list[str] | None], answers: list[str | None],
-                 group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[prompts, G] rewards of each prompt's group of completions (None: the loader's placeholder, zeros), and what
+                 group_size: int, rollouts: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[prompts, G] rewards of each prompt's group of completions (None: the loader's placeholder, zeros; `rollouts`:
+    each group's Rollouts, with tools), and what
     a user watches of them: [reward sum, in-group std sum, groups without signal (all alike), groups]. Every rank
     calls it once per micro-step (as many on each), so a reward that fails on one rank stops them all here."""
     error, scores = None, torch.zeros(len(groups), group_size, dtype=torch.float64)
     try:
-        scores = torch.tensor([score(functions, group, [answer] * group_size) if group is not None else
-                               [0.0] * group_size for group, answer in zip(groups, answers)], dtype=torch.float64)
+        rollouts = rollouts or [None] * len(groups)
+        scores = torch.tensor([score(functions, group, [answer] * group_size, rollout) if group is not None else
+                               [0.0] * group_size for group, answer, rollout in zip(groups, answers, rollouts)],
+                              dtype=torch.float64)
     except RewardError as caught:
         error = caught
     raise_on_every_rank(error)

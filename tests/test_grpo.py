@@ -243,7 +243,10 @@ def test_a_reward_that_raises_returns_nan_or_the_wrong_count_is_one_line_naming_
     (["--parallel", "fsdp"], "--parallel fsdp: GRPO samples with the model's own generation, whose number of"),
     (["--max_completion_len", "64", "--max_seq_len", "64"], "--max_completion_len 64: must be below --max_seq_len 64"),
     (["--val_data", "dataset/sft_demo_eval.jsonl"], "--val_data: GRPO has no validation loss"),
-    (["--clip_eps", "1"], "--clip_eps 1.0: must be in (0, 1)")])
+    (["--clip_eps", "1"], "--clip_eps 1.0: must be in (0, 1)"),
+    (["--max_turns", "0"], "--max_turns 0: must be an integer >= 1"),
+    (["--rewards", "answer,tool"], "--rewards answer,tool: the tool reward scores the calls of rollouts with tools; "
+                                   "give --max_turns 2 or more")])
 def test_flags_grpo_cannot_use_are_refused_with_the_reason(monkeypatch, flags, message):
     monkeypatch.setattr(sys, "argv", ["train_grpo.py", "--device", "cpu", *flags])
     with pytest.raises(ConfigError) as refused:

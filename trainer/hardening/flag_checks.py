@@ -81,6 +81,7 @@ RANGES = {
              lambda v: 0 < v < math.inf),
     "num_generations": ("an integer >= 2 (GRPO: a group compares its completions with each other)", lambda v: v >= 2),
     "max_completion_len": ("an integer >= 1 (new tokens per completion)", lambda v: v >= 1),
+    "max_turns": ("an integer >= 1 (GRPO: model turns per rollout; 1 runs no tool)", lambda v: v >= 1),
     "temperature": ("a finite number > 0 (GRPO samples its completions at it; distillation softens both models' "
                     "distributions with it)", lambda v: 0 < v < math.inf),
     "alpha": ("in [0, 1] (distillation: the cross-entropy's share of the loss, the KL to the teacher's the rest)",
@@ -152,6 +153,9 @@ def check_grpo_flags(args: argparse.Namespace) -> None:
     if args.max_completion_len >= args.max_seq_len:
         raise ConfigError(f"--max_completion_len {args.max_completion_len}: must be below --max_seq_len "
                           f"{args.max_seq_len} (the prompt gets the rest)")
+    if "tool" in [name.strip() for name in args.rewards.split(",")] and args.max_turns == 1:
+        raise ConfigError(f"--rewards {args.rewards}: the tool reward scores the calls of rollouts with tools; give "
+                          f"--max_turns 2 or more")
 
 
 def check_model_shape(args: argparse.Namespace) -> None:

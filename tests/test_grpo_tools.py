@@ -1,0 +1,181 @@
+"""Agentic GRPO's rollouts (dataset/tool_rollouts.py, train_grpo.py --max_turns): a real tiny model driven to write a
+tool call runs the real tool and continues after its result, appended as the chat template renders it; only the
+model's tokens are labelled; a call that hangs gives the model an error and scores 0 without stopping anything; a
+planted payload in the arguments runs nothing; the tool reward; a tool the trainer cannot run refused at indexing.
+The GRPO guarantees with --max_turns 2 (resume, 2 -> 3 -> 1 ranks) are in tests/test_grpo_runs.py.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import nullcontext
+
+import pytest
+import torch
+
+from dataset.chat_format import render_segments
+from dataset.grpo_dataset import GRPODataset
+from dataset.jsonl_file import DataFileError
+from dataset.rewards import reward_functions, score_groups
+from dataset.tool_rollouts import check_calls, sample_tool_groups, tool_turn
+from dataset.tools import DEMO_TOOLS, Tool, _spec
+from model.model import CausalLM, LMConfig
+from model.tokenizer import DEFAULT_TOKENIZER, EOS_ID, load_tokenizer
+from test_dpo import TINY, write_jsonl
+
+SYSTEM = {"role": "system", "content": "", "tools": [DEMO_TOOLS["calculator"].spec, DEMO_TOOLS["get_weather"].spec]}
+
+
+def tool_questions(count: int) -> list[dict]:
+    """`count` prompts offering the demo's tools, "What is i * 7?", with the products as the reference answers."""
+    return [{"conversations": [SYSTEM, {"role": "user", "content": f"What is {i} * 7?"},
+                               {"role": "assistant", "content": str(7 * i)}]} for i in range(count)]
+
+
+class Scripted(CausalLM):
+    """A real tiny model whose generate writes the given turns in order (each row of a batch the same), whatever it
+    is asked: a model driven to call a tool. It keeps what it was asked."""
+
+    def __init__(self, config: LMConfig, turns: list[list[int]]):
+        super().__init__(config)
+        self.turns, self.asked = list(turns), []
+
+    def generate(self, input_ids, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, eos_token_id=None,
+                 generator=None):
+        self.asked.append(input_ids.clone())
+        new = torch.tensor(self.turns.pop(0))[:max_new_tokens]
+        return torch.cat([input_ids, new.repeat(len(input_ids), 1)], dim=1)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(DEFAULT_TOKENIZER)
+
+
+def call(name: str, arguments: dict) -> dict:
+    return {"role": "assistant", "content": "", "tool_calls": [{"name": name, "arguments": arguments}]}
+
+
+def rendered(dataset: GRPODataset, messages: list[dict]) -> tuple[list[int], list[bool]]:
+    return dataset.encoder.encode(render_segments(messages))
+
+
+def turn_ids(dataset: GRPODataset, messages: list[dict]) -> list[int]:
+    """The ids of the last message, an assistant turn, through its <|im_end|>, as the template renders it."""
+    before = dataset.encoder.encode(render_segments(messages[:-1], add_generation_prompt=True))[0]
+    ids = rendered(dataset, messages)[0]
+    return ids[len(before):-1]  # (without the newline after <|im_end|>)
+
+
+def rollouts_of(dataset: GRPODataset, model: CausalLM, max_turns: int = 2, max_new_tokens: int = 200, **kwargs):
+    item = dataset[0]
+    batch = [torch.tensor([0]), item[0][None], item[1][None]]
+    return sample_tool_groups(model, batch, dataset, 2, max_new_tokens, 1.0, 7, nullcontext(), max_turns, **kwargs)
+
+
+def test_a_called_tool_runs_its_result_is_appended_as_the_template_renders_it_and_only_the_model_is_labelled(
+        tmp_path, tokenizer):
+    question = [SYSTEM, {"role": "user", "content": "What is 17 * 23?"}]
+    data = write_jsonl(tmp_path / "tools.jsonl", [{"conversations": [*question, {"role": "assistant",
+                                                                                  "content": "391"}]}])
+    dataset = GRPODataset(data, tokenizer, 800, reward_functions("answer,tool"), runs_tools=True)
+    calls = [*question, call("calculator", {"expression": "17 * 23"})]
+    result = {"role": "tool", "content": json.dumps({"result": 391})}  # what the real calculator answers
+    right, wrong = ([*calls, result, {"role": "assistant", "content": answer}] for answer in ("391", "390"))
+    torch.manual_seed(0)
+    model = Scripted(LMConfig(vocab_size=tokenizer.get_vocab_size(), **TINY),
+                     [turn_ids(dataset, calls), turn_ids(dataset, right), turn_ids(dataset, wrong)])
+    input_ids, labels, texts, rollouts = rollouts_of(dataset, model)
+
+    # Row 0 is the whole conversation as the template renders it (less the newline after the last <|im_end|>) ...
+    ids, trained = rendered(dataset, right)
+    assert input_ids[0].tolist() == ids[:-1] and len(model.asked) == 3
+    # ... and its labels are the model's two turns through their <|im_end|>, nothing of the prompt or the tool turn
+    expected = [t and not (i > 0 and ids[i - 1] == EOS_ID) for i, t in enumerate(trained)][:-1]
+    assert (labels[0] != -100).tolist() == expected and torch.equal(labels[0][labels[0] != -100],
+                                                                    input_ids[0][labels[0] != -100])
+    tool_start = len(dataset[0][0][dataset[0][1] != -100]) + len(turn_ids(dataset, calls))
+    tool_end = tool_start + len(dataset.encoder.encode(tool_turn([result["content"]]))[0])
+    assert (labels[0, tool_start:tool_end] == -100).all() and (labels[0, tool_end:] != -100).all()
+    assert '<tool_response>\n{"result": 391}\n</tool_response>' in dataset.encoder.decode(
+        input_ids[0, tool_start:tool_end].tolist())  # the real calculator's result, not trained
+    assert model.asked[1][0].tolist() == ids[:tool_end]  # turn 2 was asked after the result
+
+    assert texts == [["<think>\n\n</think>\n\n391", "<think>\n\n</think>\n\n390"]]  # the final turns
+    assert [[call.problem for call in rollout.calls] for rollout in rollouts[0]] == [[None], [None]]
+    scores, _ = score_groups(dataset.rewards, texts, ["391"], 2, rollouts)
+    assert scores.tolist() == [[2.0, 1.0]]  # answer 1 + tool 1, then answer 0 + tool 1
+    # One turn (--max_turns 1's length) or no room for the result: the rollout ends with its call, nothing run
+    model.turns = [turn_ids(dataset, calls)]
+    assert rollouts_of(dataset, model, max_turns=1)[0].shape == (2, len(ids[:tool_start]))
+    model.turns = [turn_ids(dataset, calls)]
+    short = rollouts_of(dataset, model, max_new_tokens=len(turn_ids(dataset, calls)) + 10)[3][0][0]
+    assert short.turns == [dataset.encoder.decode(turn_ids(dataset, calls))] and short.calls[0].problem is None
+
+
+def test_a_tool_that_hangs_gives_the_model_an_error_scores_0_and_training_goes_on(tmp_path, tokenizer, monkeypatch):
+    def sleepy(city: str) -> dict:
+        time.sleep(30)
+        return {}
+
+    monkeypatch.setitem(DEMO_TOOLS, "sleepy", Tool(_spec("sleepy", "Hangs", "city"), sleepy))
+    system = {**SYSTEM, "tools": [DEMO_TOOLS["sleepy"].spec]}
+    question = [system, {"role": "user", "content": "Weather?"}]
+    data = write_jsonl(tmp_path / "tools.jsonl", [{"conversations": [*question, {"role": "assistant",
+                                                                                  "content": "sunny"}]}])
+    dataset = GRPODataset(data, tokenizer, 800, reward_functions("tool"), runs_tools=True)
+    calls = [*question, call("sleepy", {"city": "Lima"})]
+    answer = turn_ids(dataset, [*calls, {"role": "tool", "content": "{}"}, {"role": "assistant", "content": "?"}])
+    model = Scripted(LMConfig(vocab_size=tokenizer.get_vocab_size(), **TINY), [turn_ids(dataset, calls), answer,
+                                                                               answer])
+    started = time.monotonic()
+    _, _, texts, rollouts = rollouts_of(dataset, model, time_limit_s=0.5)
+    assert time.monotonic() - started < 10  # stopped at its limit, twice
+    read = dataset.encoder.decode(model.asked[1][0].tolist())
+    assert '{"error": "tool sleepy: no result in 0.5 s; stopped"}' in read, read[-200:]
+    assert score_groups(dataset.rewards, texts, [None], 2, rollouts)[0].tolist() == [[0.0, 0.0]]
+
+
+def test_a_planted_payload_in_the_arguments_runs_nothing(tmp_path, tokenizer):
+    marker = tmp_path / "ran"
+    payload = f"__import__('os').system('touch {marker}')"
+    data = write_jsonl(tmp_path / "tools.jsonl", tool_questions(1))
+    dataset = GRPODataset(data, tokenizer, 800, reward_functions("tool"), runs_tools=True)
+    question = dataset.source.read(0)["conversations"][:2]
+    calls = [*question, call("calculator", {"expression": payload})]
+    answer = turn_ids(dataset, [*calls, {"role": "tool", "content": "{}"}, {"role": "assistant", "content": "0"}])
+    model = Scripted(LMConfig(vocab_size=tokenizer.get_vocab_size(), **TINY), [turn_ids(dataset, calls), answer,
+                                                                               answer])
+    rollouts_of(dataset, model)
+    read = dataset.encoder.decode(model.asked[1][0].tolist())
+    assert '{"error": "Call is not arithmetic' in read and not marker.exists(), read[-300:]
+
+
+def test_the_tool_reward_is_the_share_of_calls_that_validate():
+    offered = {"calculator": DEMO_TOOLS["calculator"]}
+
+    def calls(*blocks: str) -> str:
+        return "<think>\n\n</think>\n\n" + "\n".join(f"<tool_call>\n{block}\n</tool_call>" for block in blocks)
+
+    good = '{"name": "calculator", "arguments": {"expression": "1+1"}}'
+    other = '{"name": "get_weather", "arguments": {"city": "Lima"}}'  # a real tool, but not offered
+    bad_arguments = '{"name": "calculator", "arguments": {"expression": 3}}'
+    checked = [check_calls(text, offered) for text in (calls(good, other), calls(good, bad_arguments, good),
+                                                       calls('{"name": "calculator"'), "no call: 2")]
+    assert [well_formed for _, well_formed in checked] == [True, True, False, True]
+    rollouts = [type("Rollout", (), {"calls": made})() for made, _ in checked]
+    assert reward_functions("tool")["tool"](["", "", "", ""], [None] * 4, rollouts) == [0.5, 2 / 3, 0.0, 0.0]
+    assert checked[2][0][0].problem.startswith("malformed: tool call 1 is not JSON")
+    assert checked[0][0][1].problem == "no tool named 'get_weather' is offered"
+
+
+def test_a_tool_the_trainer_does_not_run_is_refused_when_the_file_is_indexed_naming_the_line(tmp_path, tokenizer):
+    records = tool_questions(3)
+    records[1]["conversations"][0] = {**SYSTEM, "tools": json.dumps([_spec("get_time", "The time", "zone")])}
+    data = write_jsonl(tmp_path / "tools.jsonl", records)
+    with pytest.raises(DataFileError) as refused:
+        GRPODataset(data, tokenizer, 800, reward_functions("answer"), runs_tools=True)
+    assert str(refused.value).startswith(f"{data}, line 2: ") and "'get_time', which is not a tool this trainer " \
+        "runs (dataset/tools.py's DEMO_TOOLS: calculator, get_weather)" in str(refused.value)
+    assert len(GRPODataset(data, tokenizer, 800, reward_functions("answer"))) == 3  # one turn: no tool runs
