@@ -35,6 +35,7 @@ from dataset.chat_format import ChatEncoder, Segment, parse_conversation, render
 from dataset.jsonl_file import DataFileError, JsonlFile, each_record_on_its_rank
 from dataset.lm_dataset import IGNORE_INDEX, _pad
 from dataset.rewards import NEEDS_ANSWER
+from dataset.tool_rollouts import sample_tool_groups
 from dataset.tools import DEMO_TOOLS, Tool
 from model.model import LMConfig
 from model.tokenizer import EOS_ID, PAD_ID
@@ -178,3 +179,14 @@ def sample_groups(model, micro_batch: list[torch.Tensor], encoder: ChatEncoder, 
     input_ids = torch.stack([F.pad(row, (0, width - len(row)), value=PAD_ID) for row, _ in rows])
     labels = torch.stack([F.pad(label, (0, width - len(label)), value=IGNORE_INDEX) for _, label in rows])
     return input_ids, labels, texts
+
+
+def sample_rollouts(model, micro_batch: list[torch.Tensor], dataset: GRPODataset, group_size: int, max_new_tokens: int,
+                    temperature: float, seed: int, autocast, max_turns: int) -> tuple:
+    """The step's rollouts of a micro-batch: (input_ids, labels, each prompt's G final answers, each prompt's G
+    Rollouts or None). One turn: sample_groups, no tool runs (no Rollouts); more: dataset/tool_rollouts.py."""
+    if max_turns == 1:
+        return (*sample_groups(model, micro_batch, dataset.encoder, group_size, max_new_tokens, temperature, seed,
+                               autocast), None)
+    return sample_tool_groups(model, micro_batch, dataset, group_size, max_new_tokens, temperature, seed, autocast,
+                              max_turns)

@@ -1,8 +1,9 @@
 """Agentic GRPO's rollouts (trainer/train_grpo.py --max_turns N > 1): the model answers, the tools it calls run, their
 results are appended as the chat template renders them, and the model goes on, up to N model turns.
 
-    prompt | turn 1: <think>..</think>\\n\\n<tool_call>{..}</tool_call><|im_end|> | \\n<|im_start|>user\\n<tool_response>
-    \\n{result}\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n | turn 2: ...the answer<|im_end|>
+    prompt | turn 1: <think>..</think>\\n\\n<tool_call>{..}</tool_call><|im_end|>
+           | \\n<|im_start|>user\\n<tool_response>\\n{result}\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n
+           | turn 2: ...the answer<|im_end|>
 
 Only the model's own tokens are trained (each turn through its end of text); the tool results and the template's
 text around them are labels -100. A rollout goes on after a turn that ended (its end of text) with well-formed calls

@@ -3,7 +3,8 @@ at the TINY_MODEL size: the same gradient however the global batch is split (rol
 torchrun, across a resume; a run that trains, logs what a user watches and saves; a resume in one process bit
 for bit; one-line errors for a bad reward name, a line without an answer and a reward that fails mid-run (the
 last checkpoint stays the newest); rollouts beyond memory and a room no prompt fits in refused in one line, and the
-prompts cut said at start and counted in the metrics. Behind TRAINER_SLOW_TESTS=1: a resume on 2 ranks bit-identical
+prompts cut said at start and counted in the metrics. Behind TRAINER_SLOW_TESTS=1: with tools (--max_turns 2), a resume
+in one process bit for bit and 2 -> 3 -> 1 ranks training each prompt's group once; a resume on 2 ranks bit-identical
 with the metrics and status files, rotated checkpoints and the tracker run id carried over, and a changed
 reference refused; a resume on 2 -> 3 -> 1 ranks training each prompt's group once; a SIGTERM that saves; a
 reward that fails on rank 1 only stopping both ranks with its line.
@@ -26,6 +27,7 @@ from model.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
 from scripts.plot_metrics import metrics_figure
 from test_dpo import write_jsonl, write_reference
 from test_grpo import question, sum_questions
+from test_grpo_tools import tool_questions
 from trainer.hardening.durable_files import sha256_of
 from trainer.hardening.process_exit import run_script
 from trainer.hardening.run_lock import release_held
@@ -40,6 +42,10 @@ WATCHED = ("reward", "reward_std", "no_signal", "completion_len", "kl", "clip_fr
 def prompts(tmp_path) -> Path:
     """11 prompts: a prime, so no world size or batch divides the epoch."""
     return write_jsonl(tmp_path / "prompts.jsonl", sum_questions(11))
+
+
+# --max_turns 2 on prompts offering the demo's tools (some 530 tokens of specs each), the tool reward among the rewards
+WITH_TOOLS = ["--max_turns", "2", "--max_seq_len", "560", "--rewards", "answer,brevity,tool"]
 
 
 def grpo_args(run_dir: Path, data: Path, *extra: str, seed: int = 0) -> list[str]:
@@ -186,9 +192,26 @@ def test_a_resume_on_the_same_rank_count_is_bit_identical_and_a_changed_referenc
 
 
 @SLOW
-def test_a_resume_on_two_then_three_then_one_rank_trains_each_prompts_group_once(tmp_path, prompts):
-    # 11 prompts, batch 1: global batches 2, 3 and 1, over 2 epochs.
-    common = grpo_args(tmp_path, prompts, "--batch_size", "1", "--epochs", "2")
+def test_with_tools_a_resume_in_one_process_is_bit_identical_rollouts_included(tmp_path):
+    data = write_jsonl(tmp_path / "tools.jsonl", tool_questions(4))
+    common = ["--batch_size", "2", "--epochs", "1", "--save_interval", "1", *WITH_TOOLS]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train(SCRIPT, None, grpo_args(straight, data, *common), tmp_path)
+    train(SCRIPT, None, grpo_args(split, data, *common, "--max_steps", "1"), tmp_path)
+    train(SCRIPT, None, grpo_args(split, data, *common, "--from_resume", "1"), tmp_path)
+    assert_states_equal(resume_file(straight, RUN), resume_file(split, RUN))
+    assert resume_file(split, RUN)["train_args"]["max_turns"] == 2
+    assert by_step(trace_of(split), "loss") == by_step(trace_of(straight), "loss") and len(trace_of(straight)) == 2
+    assert [(r["step"], r["reward"]) for r in metrics_of(split, RUN) if "reward" in r] == [
+        (r["step"], r["reward"]) for r in metrics_of(straight, RUN) if "reward" in r]  # the same rollouts
+
+
+@SLOW
+@pytest.mark.parametrize("tools", [False, True], ids=["one-turn", "with-tools"])
+def test_a_resume_on_two_then_three_then_one_rank_trains_each_prompts_group_once(tmp_path, prompts, tools):
+    # 11 prompts, batch 1: global batches 2, 3 and 1, over 2 epochs; with tools: --max_turns 2, the tools offered.
+    data = write_jsonl(tmp_path / "tools.jsonl", tool_questions(11)) if tools else prompts
+    common = grpo_args(tmp_path, data, "--batch_size", "1", "--epochs", "2", *(WITH_TOOLS if tools else []))
     train(SCRIPT, 2, [*common, "--max_steps", "3"], tmp_path)
     on_three = train(SCRIPT, 3, [*common, "--max_steps", "3", "--from_resume", "1"], tmp_path)
     assert "saved at step 3: training continues from sample 6 of epoch 1 (world size 2 -> 3, global batch 2 -> 3" \

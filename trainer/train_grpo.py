@@ -5,9 +5,7 @@ scored by Python rewards (dataset/rewards.py); an advantage is a reward against 
 the loss per token: PPO's clipped policy gradient + beta x KL to the frozen reference (out/full_sft_*.pth, named by
 hash as DPO's), over the global batch's completion tokens; writes out/grpo_{hidden}.pth. Run it as SFT's script:
     python trainer/train_grpo.py  |  torchrun --nproc_per_node 2 trainer/train_grpo.py  |  ... --from_resume 1
---max_turns N > 1: agentic rollouts (dataset/tool_rollouts.py): the tools a prompt offers (its system message's
-"tools") run on the model's calls, their results appended as the chat template renders them and masked out of the
-loss, up to N model turns; the answer reward scores the final turn, the tool reward the calls that validate.
+--max_turns N > 1: the tools a prompt offers run between N model turns, results masked (dataset/tool_rollouts.py).
 What changes from train_full_sft.py: the lines marked `# grpo`; gone: `--system_prompt_ratio`,
 `--drop_empty_think_ratio`, `train_ds.set_epoch`, `local_tokens = sum(` (counted in step_rollouts)."""
 
@@ -24,9 +22,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from dataset.grpo_dataset import GRPODataset, sample_groups  # grpo
+from dataset.grpo_dataset import GRPODataset, sample_rollouts  # grpo
 from dataset.rewards import reward_functions, score_groups  # grpo
-from dataset.tool_rollouts import sample_tool_groups  # grpo: --max_turns > 1
 from model.tokenizer import load_tokenizer
 from trainer.hardening.anomaly import install_debug_injection
 from trainer.hardening.anomaly_policy import AnomalyPolicy, Rollback
@@ -83,10 +80,8 @@ def parse_args() -> argparse.Namespace:
     a("--parallel", default="ddp", choices=("ddp", "fsdp"), help="fsdp: each GPU keeps a slice of the model")
     a("--beta", type=float, default=0.04, help="weight of the KL to the reference: higher, nearer")  # grpo
     a("--num_generations", type=int, default=4, help="G: completions sampled per prompt, one group")  # grpo
-    a("--max_completion_len", type=int, default=64,  # grpo
-      help="new tokens per completion, at most; with tools, of the whole rollout (model and tool tokens)")  # grpo
-    a("--max_turns", type=int, default=1,  # grpo
-      help="model turns per rollout; above 1 the tools the model calls run between turns (1: no tools)")  # grpo
+    a("--max_completion_len", type=int, default=64, help="new tokens per rollout, at most (model + tool)")  # grpo
+    a("--max_turns", type=int, default=1, help="model turns per rollout; tools run between them (1: none)")  # grpo
     a("--temperature", type=float, default=1.0, help="sampling temperature of the completions")  # grpo
     a("--clip_eps", type=float, default=0.2,  # grpo: PPO's clip, which never acts with one update per rollout
       help="PPO's clip of pi / pi_old to [1 - eps, 1 + eps]; one update per rollout keeps the ratio at 1")  # grpo
@@ -116,15 +111,10 @@ def step_rollouts(model, micro_batches, train_ds, args, epoch: int, autocast, de
     advantages); this rank's completion tokens; the numbers a user watches (tracking.watched_metrics)."""
     done, watched, G = [], torch.zeros(4, dtype=torch.float64), args.num_generations
     for batch in micro_batches:  # (indices, prompts, their labels) as the loader gives them
-        seed, rollouts = args.seed * 1_000_003 + epoch, None  # rollouts: what each did with tools (--max_turns > 1)
-        if args.max_turns == 1:
-            input_ids, labels, texts = sample_groups(model, batch, train_ds.encoder, G, args.max_completion_len,
-                                                     args.temperature, seed, autocast)
-        else:  # the tools called run between the model's turns; their results are labels -100
-            input_ids, labels, texts, rollouts = sample_tool_groups(model, batch, train_ds, G, args.max_completion_len,
-                                                                    args.temperature, seed, autocast, args.max_turns)
-        scores, counts = score_groups(train_ds.rewards, texts, [train_ds.answer(i) for i in batch[0].tolist()], G,
-                                      rollouts)
+        input_ids, labels, texts, rollouts = sample_rollouts(model, batch, train_ds, G, args.max_completion_len,
+                                                             args.temperature, args.seed * 1_000_003 + epoch, autocast,
+                                                             args.max_turns)  # rollouts: what each did with tools
+        scores, counts = score_groups(train_ds.rewards, texts, [*map(train_ds.answer, batch[0].tolist())], G, rollouts)
         done.append((input_ids, labels, group_advantages(scores).flatten().float().to(device)))
         watched += counts
     local_tokens = sum((labels[:, 1:] != -100).sum() for _, labels, _ in done).double()
@@ -235,9 +225,8 @@ def main() -> None:
 
     # ---- 3. Data and batch geometry: the files are indexed and checked before any training ------
     tokenizer = load_tokenizer(args.tokenizer_path)
-    train_ds = GRPODataset(args.data_path, tokenizer, args.max_seq_len - args.max_completion_len,  # grpo: says
-                           reward_functions(args.rewards), log, runs_tools=args.max_turns > 1)  # grpo: prompts cut;
-    # a bad reward name or a tool that does not run: one line, exit 2
+    train_ds = GRPODataset(args.data_path, tokenizer, args.max_seq_len - args.max_completion_len,  # grpo: says cuts
+                           reward_functions(args.rewards), log, args.max_turns > 1)  # grpo: a bad name, tool: exit 2
     val_ds = None  # grpo: no validation loss (flag_checks.check_grpo_flags refuses --val_data)
     n = len(train_ds)
     accumulation, global_batch = resolve_accumulation(args.batch_size, world_size, args.accumulation_steps,
