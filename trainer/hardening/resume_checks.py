@@ -18,6 +18,7 @@ FIXED_TRAINING_ARGS = ("epochs", "seed", "max_seq_len", "pack", "learning_rate",
                        "lora_rank", "lora_alpha", "lora_targets",  # LoRA's adapter
                        "beta",  # DPO's (and GRPO's)
                        "num_generations", "max_completion_len", "temperature", "clip_eps", "rewards",  # GRPO's
+                       "num_iterations", "loss_type",  # GRPO's too: how often, and by which loss, a batch trains
                        "base_sha256",  # LoRA's frozen base, DPO's reference: the hash of --from_weight's file
                        "alpha", "teacher_sha256")  # distillation's: the CE's share, the hash of the teacher's file
 # The value of a setting a run without its flag trains with: SFT and checkpoints written before
