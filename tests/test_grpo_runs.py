@@ -6,7 +6,8 @@ last checkpoint stays the newest); rollouts beyond memory and a room no prompt f
 prompts cut said at start and counted in the metrics. Behind TRAINER_SLOW_TESTS=1: a resume on 2 ranks bit-identical
 with the metrics and status files, rotated checkpoints and the tracker run id carried over, and a changed
 reference refused; a resume on 2 -> 3 -> 1 ranks training each prompt's group once; a SIGTERM that saves; a
-reward that fails on rank 1 only stopping both ranks with its line.
+reward that fails on rank 1 only stopping both ranks with its line; two updates per batch of rollouts (--loss_type
+grpo, cispo) clipping and resuming bit for bit between batches.
 """
 
 from __future__ import annotations
