@@ -23,8 +23,9 @@ from dataset.rewards import RewardError, answer_reward, format_reward, reward_fu
 from model.model import CausalLM, LMConfig
 from model.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
 from test_dpo import TINY, write_jsonl
-from trainer.hardening.resume_checks import ConfigError
-from trainer.train_grpo import completion_losses, group_advantages, grpo_loss, parse_args
+from trainer.hardening.resume_checks import ConfigError, ResumeMismatch, check_resume_compatible
+from trainer.train_grpo import (completion_losses, group_advantages, grpo_loss, loss_denominator, parse_args,
+                                 token_weights)
 
 
 def question(q: str, answer: str | None, before: list | None = None) -> dict:
@@ -57,6 +58,23 @@ def test_the_loss_of_two_tokens_computed_by_hand():
     negative, _, clipped = grpo_loss(logps, old, ref, torch.tensor([-1.0], dtype=torch.float64), 0.1, 0.2)
     # A = -1: -min(-1.25, -1.2) = 1.25: a ratio above 1 + eps is not clipped where the advantage is negative
     assert negative[0, 0].item() == pytest.approx(1.25 + 0.1 * k3, abs=1e-12) and not clipped.any()
+    # cispo (MiniMax-M1): the weight min(1.25, 1.2) = 1.2, a constant, x A x log pi; its gradient -1.2 x A, not 0
+    pi = logps.clone().requires_grad_()
+    cispo, _, clipped = grpo_loss(pi, old, ref, torch.tensor([-1.0], dtype=torch.float64), 0.1, 0.2, "cispo")
+    assert cispo[0, 0].item() == pytest.approx(1.2 * math.log(0.5) + 0.1 * k3, abs=1e-12) and clipped.all()
+    (gradient,) = torch.autograd.grad(cispo[0, 0], pi)
+    assert gradient[0, 0].item() == pytest.approx(1.2 + 0.1 * (1 - 0.25 / 0.5), abs=1e-12)  # d k3 / d log pi
+
+
+def test_grpos_loss_type_weighs_each_completion_by_its_length_and_counts_completions_not_placeholders():
+    labels = torch.full((3, 5), -100)
+    labels[0, 1:] = 7  # 4 completion tokens
+    labels[1, 3:] = 7  # 2 completion tokens; row 2: a placeholder's, none
+    mask = torch.nn.functional.pad(labels[:, 1:] != -100, (0, 1)).float()
+    assert token_weights(mask, "dapo") is mask and token_weights(mask, "cispo") is mask
+    assert token_weights(mask, "grpo").sum(dim=1).tolist() == [1.0, 1.0, 0.0]  # a mean over each one's tokens
+    rollouts, tokens = [(None, labels, None)], mask.sum().double()
+    assert loss_denominator(rollouts, tokens, "dapo") == 6 and loss_denominator(rollouts, tokens, "grpo") == 2
 
 
 def test_the_group_advantage_is_the_reward_against_its_group_and_zero_without_signal():
@@ -86,9 +104,11 @@ class SameProcess:
 
 @pytest.mark.skipif(os.environ.get("TRAINER_SLOW_TESTS") != "1",
                     reason="importing TRL (transformers' Trainer) takes about 13 s; set TRAINER_SLOW_TESTS=1 to run it")
-def test_grpo_loss_equals_trls_own_grpo_trainer_on_the_same_log_probabilities():
-    """TRL 1.16's GRPOTrainer._compute_loss with loss_type "dapo" (a sum over the completion tokens divided by
-    the generation batch's tokens, as this loop does), the log-probabilities handed to it instead of a model's."""
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "cispo"])
+def test_grpo_loss_equals_trls_own_grpo_trainer_on_the_same_log_probabilities(loss_type):
+    """TRL 1.16's GRPOTrainer._compute_loss with the same loss_type (dapo: a token sum over the generation batch's
+    tokens; grpo: each completion's token mean, averaged; cispo: its epsilon_high is the cap, our 1 + clip_eps),
+    the log-probabilities handed to it instead of a model's, pi_old another policy's, so the clip and cap act."""
     from trl.trainer.grpo_trainer import GRPOTrainer  # trl==1.16.0 (requirements.txt)
     rows, length, beta, eps = 6, 7, 0.04, 0.2
     generator = torch.Generator().manual_seed(5)
@@ -98,10 +118,11 @@ def test_grpo_loss_equals_trls_own_grpo_trainer_on_the_same_log_probabilities():
     mask = (torch.rand(rows, length, generator=generator) < 0.8).long()
     mask[:, 0] = 1
     advantages = group_advantages(torch.rand(2, rows // 2, generator=generator, dtype=torch.float64)).flatten()
+    high = 1 + eps if loss_type == "cispo" else eps
     trainer = SimpleNamespace(
         model=SimpleNamespace(training=True), accelerator=SameProcess(), aux_loss_enabled=False,
         top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token", beta=beta,
-        loss_type="dapo", epsilon_low=eps, epsilon_high=eps, use_vllm=False, current_gradient_accumulation_steps=1,
+        loss_type=loss_type, epsilon_low=eps, epsilon_high=high, use_vllm=False, current_gradient_accumulation_steps=1,
         _entropy_bonus_enabled=False, _metrics={"train": defaultdict(list)},
         args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1),
         _get_per_token_logps_and_entropies=lambda *args, **kwargs: (logps, torch.zeros_like(logps), None))
@@ -113,19 +134,27 @@ def test_grpo_loss_equals_trls_own_grpo_trainer_on_the_same_log_probabilities():
     trl_loss = GRPOTrainer._compute_loss(trainer, None, inputs)
     (trl_gradient,) = torch.autograd.grad(trl_loss, logps)
 
-    losses, _, clipped = grpo_loss(logps, old, ref, advantages, beta, eps)
-    ours = (losses * mask).sum() / mask.sum()  # the loop: summed, divided by the global batch's completion tokens
+    losses, _, clipped = grpo_loss(logps, old, ref, advantages, beta, eps, loss_type)
+    labels = torch.nn.functional.pad(torch.where(mask.bool(), 1, -100), (1, 0), value=-100)  # as the loop's labels
+    count = loss_denominator([(None, labels, None)], mask.sum().double(), loss_type)
+    ours = (losses * token_weights(mask.double(), loss_type)).sum() / count  # the loop, one rank and micro-step
     (our_gradient,) = torch.autograd.grad(ours, logps)
     assert abs(float((ours - trl_loss).detach())) < 1e-12
     assert torch.allclose(our_gradient, trl_gradient, rtol=0, atol=1e-12)
-    assert 0 < clipped[mask.bool()].float().mean() < 1  # the case clips some tokens, not all
-    assert trainer._metrics["train"]["clip_ratio/region_mean"][0] == pytest.approx(
-        float(clipped[mask.bool()].float().mean()), abs=1e-12)  # TRL's clip metric is ours
+    share = float(clipped[mask.bool()].float().mean())
+    assert 0 < share < 1  # the case clips (caps) some tokens, not all
+    if loss_type == "cispo":  # TRL counts the capped tokens of a positive advantage only; the cap acts on all
+        metric, share = "cispo_clip_ratio", float((clipped & (advantages[:, None] > 0))[mask.bool()].float().mean())
+    else:
+        metric = "clip_ratio/region_mean"
+    assert trainer._metrics["train"][metric][0] == pytest.approx(share, abs=1e-12)  # TRL's clip metric is ours
 
 
-def test_the_gradient_is_the_same_however_the_rollouts_are_split_into_micro_batches():
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "cispo"])
+def test_the_gradient_is_the_same_however_the_rollouts_are_split_into_micro_batches(loss_type):
     """One micro-batch of 4 prompts' rollouts, or two of 2 with other token counts: each part's loss sum divided by
-    the step's completion tokens adds up to the same gradient (as the loop does on ranks and micro-steps)."""
+    the step's completion tokens (grpo: completions) adds up to the same gradient (as the loop does on ranks and
+    micro-steps), pi_old another policy's (a second update) so that the clip acts."""
     torch.manual_seed(0)
     model, ref_model = CausalLM(LMConfig(vocab_size=64, **TINY)), CausalLM(LMConfig(vocab_size=64, **TINY))
     ref_model.requires_grad_(False)
@@ -134,19 +163,23 @@ def test_the_gradient_is_the_same_however_the_rollouts_are_split_into_micro_batc
     for row, start in enumerate([3, 3, 5, 5, 2, 2, 6, 6]):  # completions of different lengths per group
         labels[row, start:] = input_ids[row, start:]
     advantages = group_advantages(torch.rand(4, 2, dtype=torch.float64)).flatten().float()
-    args = SimpleNamespace(beta=0.1, clip_eps=0.2)
-    tokens = (labels[:, 1:] != -100).sum()
+    args = SimpleNamespace(beta=0.1, clip_eps=0.2, loss_type=loss_type)
+    tokens = loss_denominator([(input_ids, labels, advantages)], (labels[:, 1:] != -100).sum().double(), loss_type)
+    with torch.no_grad():  # pi_old: these weights' log-probabilities, moved
+        old = -model(input_ids, labels=labels, loss_reduction="none").loss + 0.3 * torch.randn(8, 10)
+
+    watch = torch.zeros(7, dtype=torch.float64)  # [-1]: the clipped tokens, over both calls
 
     def gradient(parts: list[slice]) -> list[torch.Tensor]:
         model.zero_grad()
         for part in parts:
-            watch = torch.zeros(7, dtype=torch.float64)
             losses, _ = completion_losses(model, ref_model, input_ids[part], labels[part], advantages[part], args,
-                                          watch)
+                                          watch, old[part])
             (losses.sum() / tokens).backward()
         return [p.grad.clone() for p in model.parameters()]
 
     whole, split = gradient([slice(0, 8)]), gradient([slice(0, 4), slice(4, 8)])
+    assert watch[-1] > 0  # the clip acted (the last part's clipped tokens)
     assert any(g.abs().sum() > 0 for g in whole)
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(whole, split))
 
@@ -246,12 +279,19 @@ def test_a_reward_that_raises_returns_nan_or_the_wrong_count_is_one_line_naming_
     (["--clip_eps", "1"], "--clip_eps 1.0: must be in (0, 1)"),
     (["--max_turns", "0"], "--max_turns 0: must be an integer >= 1"),
     (["--rewards", "answer,tool"], "--rewards answer,tool: the tool reward scores the calls of rollouts with tools; "
-                                   "give --max_turns 2 or more")])
+                                   "give --max_turns 2 or more"),
+    (["--clip_eps", "0", "--loss_type", "cispo"], "--clip_eps 0.0: must be a finite number > 0"),
+    (["--num_iterations", "0"], "--num_iterations 0: must be an integer >= 1")])
 def test_flags_grpo_cannot_use_are_refused_with_the_reason(monkeypatch, flags, message):
     monkeypatch.setattr(sys, "argv", ["train_grpo.py", "--device", "cpu", *flags])
     with pytest.raises(ConfigError) as refused:
         parse_args()
     assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
+
+
+def test_cispos_cap_may_pass_2_as_scalerl_recommends(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["train_grpo.py", "--device", "cpu", "--loss_type", "cispo", "--clip_eps", "4"])
+    assert parse_args().clip_eps == 4.0  # a weight capped at 5 (ScaleRL's epsilon_max); PPO's clip must stay below 1
 
 
 def test_score_groups_counts_what_a_user_watches():
@@ -276,3 +316,14 @@ def test_the_anomaly_policy_judges_no_loss_spike_in_grpo_but_still_a_grad_norm_e
         reason = detector.check(10, 0.1636, 1.0)
         assert (reason or "").startswith(expected or "") and (reason is None) == (expected is None), reason
         assert detector.check(11, 0.0, 50.0).startswith("grad norm explosion at step 11")
+
+
+def test_a_grpo_checkpoint_from_before_tools_and_updates_per_batch_resumes_only_with_their_defaults():
+    saved_args = {"batch_size": 4, "accumulation_steps": 1, "global_batch_size": None, "world_size": 1, "epochs": 1,
+                  "seed": 42, "max_seq_len": 48, "num_generations": 4, "clip_eps": 0.2}  # no turns, updates, loss
+    saved = {"lm_config": {"hidden_size": 32}, "data_fingerprint": {"sha256": "x"}, "train_args": saved_args}
+    defaults = {**saved_args, "max_turns": 1, "num_iterations": 1, "loss_type": "dapo"}
+    assert check_resume_compatible(saved, {"hidden_size": 32}, {"sha256": "x"}, defaults) == []
+    for field, value, was in (("max_turns", 2, 1), ("num_iterations", 2, 1), ("loss_type", "cispo", "dapo")):
+        with pytest.raises(ResumeMismatch, match=rf"args\.{field}: checkpoint has {was!r}, this run has {value!r}"):
+            check_resume_compatible(saved, {"hidden_size": 32}, {"sha256": "x"}, {**defaults, field: value})

@@ -7,7 +7,8 @@ prompts cut said at start and counted in the metrics. Behind TRAINER_SLOW_TESTS=
 in one process bit for bit and 2 -> 3 -> 1 ranks training each prompt's group once; a resume on 2 ranks bit-identical
 with the metrics and status files, rotated checkpoints and the tracker run id carried over, and a changed
 reference refused; a resume on 2 -> 3 -> 1 ranks training each prompt's group once; a SIGTERM that saves; a
-reward that fails on rank 1 only stopping both ranks with its line.
+reward that fails on rank 1 only stopping both ranks with its line; two updates per batch of rollouts (--loss_type
+grpo, cispo) clipping and resuming bit for bit between batches.
 """
 
 from __future__ import annotations
@@ -108,6 +109,30 @@ def test_a_run_trains_logs_what_a_user_watches_saves_and_resumes_bit_identically
     assert by_step(trace_of(split), "loss") == by_step(trace_of(straight), "loss")
     assert [(r["step"], r["reward"]) for r in metrics_of(split, RUN) if "reward" in r] == [
         (r["step"], r["reward"]) for r in metrics_of(straight, RUN) if "reward" in r]  # the same completions
+
+
+@SLOW
+@pytest.mark.parametrize("loss_type", ["grpo", "cispo"])
+def test_two_updates_per_batch_of_rollouts_clip_and_resume_bit_identically_between_batches(tmp_path, prompts,
+                                                                                         loss_type):
+    """--num_iterations 2: each step's rollouts train two AdamW steps, the second one's ratio pi / pi_old away
+    from 1, so the clip (cispo: the cap) acts; a run stopped after step 2 and resumed equals an unstopped one."""
+    common = ["--batch_size", "2", "--epochs", "1", "--save_interval", "2", "--num_iterations", "2",
+              "--loss_type", loss_type, "--clip_eps", "0.05"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train(SCRIPT, None, grpo_args(straight, prompts, *common, "--max_steps", "4"), tmp_path)
+    train(SCRIPT, None, grpo_args(split, prompts, *common, "--max_steps", "2"), tmp_path)
+    train(SCRIPT, None, grpo_args(split, prompts, *common, "--max_steps", "2", "--from_resume", "1"), tmp_path)
+    final = resume_file(straight, RUN)
+    assert_states_equal(final, resume_file(split, RUN))
+    assert by_step(trace_of(split), "loss") == by_step(trace_of(straight), "loss")
+    assert {int(s["step"]) for s in final["optimizer"]["state"].values()} == {8}  # 4 steps x 2 AdamW updates
+    metrics = [{k: r[k] for k in ("step", *WATCHED)} for r in metrics_of(straight, RUN) if "reward" in r]
+    assert metrics == [{k: r[k] for k in ("step", *WATCHED)} for r in metrics_of(split, RUN) if "reward" in r]
+    assert len(metrics) == 4
+    # Over both updates' tokens: the first's ratio is 1, so at most half (a group without signal: none)
+    assert metrics[0]["clip_fraction"] > 0 and all(r["clip_fraction"] <= 0.5 for r in metrics), metrics
+    assert metrics[0]["kl"] > 0  # step 1's second update: the weights have left the reference
 
 
 def test_grpo_raises_the_reward_it_is_given(tmp_path):

@@ -3,7 +3,10 @@
 Per prompt, G completions sampled by the policy (seeded by seed, epoch and prompt: a resume samples them alike),
 scored by Python rewards (dataset/rewards.py); an advantage is a reward against its group's, (r - mean) / (std + eps);
 the loss per token: PPO's clipped policy gradient + beta x KL to the frozen reference (out/full_sft_*.pth, named by
-hash as DPO's), over the global batch's completion tokens; writes out/grpo_{hidden}.pth. Run it as SFT's script:
+hash as DPO's), over the global batch's completion tokens (--loss_type: TRL's dapo; grpo, cispo). A step samples
+one batch of rollouts and trains --num_iterations (mu) updates on it, the ratio pi / pi_old moving from the second
+on; a save, a stop and the log fall between steps only, so a resume is exact with nothing of the rollouts saved.
+Writes out/grpo_{hidden}.pth. Run it as SFT's script:
     python trainer/train_grpo.py  |  torchrun --nproc_per_node 2 trainer/train_grpo.py  |  ... --from_resume 1
 --max_turns N > 1: the tools a prompt offers run between N model turns, results masked (dataset/tool_rollouts.py).
 What changes from train_full_sft.py: the lines marked `# grpo`; gone: `--system_prompt_ratio`,
@@ -83,8 +86,11 @@ def parse_args() -> argparse.Namespace:
     a("--max_completion_len", type=int, default=64, help="new tokens per rollout, at most (model + tool)")  # grpo
     a("--max_turns", type=int, default=1, help="model turns per rollout; tools run between them (1: none)")  # grpo
     a("--temperature", type=float, default=1.0, help="sampling temperature of the completions")  # grpo
-    a("--clip_eps", type=float, default=0.2,  # grpo: PPO's clip, which never acts with one update per rollout
-      help="PPO's clip of pi / pi_old to [1 - eps, 1 + eps]; one update per rollout keeps the ratio at 1")  # grpo
+    a("--clip_eps", type=float, default=0.2,  # grpo: PPO's clip, which acts from a batch's second update on
+      help="PPO's clip of pi / pi_old to [1 - eps, 1 + eps] (cispo: the IS weight's cap, 1 + eps)")  # grpo
+    a("--num_iterations", type=int, default=1, help="mu (DeepSeekMath's): updates on a step's rollouts; "  # grpo
+      "--max_steps, --save_interval and the log count steps: a checkpoint only falls between two batches")  # grpo
+    a("--loss_type", default="dapo", choices=("dapo", "grpo", "cispo"), help="TRL's names: see grpo_loss")  # grpo
     a("--rewards", default="answer,format", help="reward functions of dataset/rewards.py, added")  # grpo
     add_operator_flags(parser)  # trackers, kept checkpoints, background saves, metrics, validation, anomaly policy
     return check_flags(parser.parse_args())  # every value in its range, every path of its kind (exit 2)
@@ -96,13 +102,17 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor: 
     return (rewards - rewards.mean(dim=1, keepdim=True)) / (rewards.std(dim=1, keepdim=True) + eps)
 
 
-def grpo_loss(logps, old_logps, ref_logps, advantages, beta: float, clip_eps: float):  # grpo
+def grpo_loss(logps, old_logps, ref_logps, advantages, beta: float, clip_eps: float, loss_type="dapo"):  # grpo
     """Per completion token ([rows, T] log-probabilities; advantages [rows]): PPO's clipped policy-gradient term
-    plus beta x the k3 estimate of KL(pi || ref); also each token's KL and whether its ratio was clipped."""
+    (cispo: the IS weight min(pi / pi_old, 1 + eps), a constant, x A x log pi) plus beta x the k3 estimate of
+    KL(pi || ref); also each token's KL and whether the clip cut its ratio (cispo: capped its weight)."""
     ratio, a = torch.exp(logps - old_logps), advantages[:, None]  # pi / pi_old: 1 at the sampling policy
-    policy_term = -torch.min(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a)
+    if loss_type == "cispo":  # the weight has no gradient, so a capped token still trains (PPO's clip drops it)
+        policy_term, clipped = -ratio.clamp(max=1 + clip_eps).detach() * a * logps, ratio > 1 + clip_eps
+    else:
+        policy_term = -torch.min(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a)
+        clipped = ((ratio < 1 - clip_eps) & (a < 0)) | ((ratio > 1 + clip_eps) & (a > 0))  # where the clip cut
     kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1  # >= 0; its mean under pi is the KL
-    clipped = ((ratio < 1 - clip_eps) & (a < 0)) | ((ratio > 1 + clip_eps) & (a > 0))  # where the clip cut
     return policy_term + beta * kl, kl, clipped
 
 
@@ -121,15 +131,40 @@ def step_rollouts(model, micro_batches, train_ds, args, epoch: int, autocast, de
     return done, local_tokens, torch.cat([watched.to(device), local_tokens[None], local_tokens.new_zeros(2)])
 
 
-def completion_losses(model, ref_model, input_ids, labels, advantages, args, watch: torch.Tensor):  # grpo
-    """GRPO's loss per completion token (0 elsewhere), the aux loss; adds the KL sum, clipped tokens to watch[-2:].
-    The old log-probabilities are the sampling policy's: these weights, detached (one update per rollout)."""
+def completion_losses(model, ref_model, input_ids, labels, advantages, args, watch, old_logps=None):  # grpo
+    """GRPO's loss per completion token, weighted (0 elsewhere), the aux loss; adds the KL sum, clipped tokens to
+    watch[-2:]. old_logps: pi_old's (sampling_logps); None: these weights', detached."""
     out = model(input_ids, labels=labels, loss_reduction="none")  # out.loss at t: -log p of token t + 1
     ref_logps = -ref_model(input_ids, labels=labels, loss_reduction="none").loss  # frozen weights: no graph kept
     mask = torch.nn.functional.pad(labels[:, 1:] != -100, (0, 1)).float()  # the completion's tokens, as out.loss
-    losses, kl, clipped = grpo_loss(-out.loss, -out.loss.detach(), ref_logps, advantages, args.beta, args.clip_eps)
+    old_logps = -out.loss.detach() if old_logps is None else old_logps  # one update: the sampling policy is this one
+    losses, kl, clipped = grpo_loss(-out.loss, old_logps, ref_logps, advantages, args.beta, args.clip_eps,
+                                    args.loss_type)
     watch[-2:] += torch.stack([(kl * mask).sum(), (clipped * mask).sum()]).detach().double()
-    return losses * mask, out.aux_loss
+    return losses * token_weights(mask, args.loss_type), out.aux_loss
+
+
+def token_weights(mask: torch.Tensor, loss_type: str) -> torch.Tensor:  # grpo
+    """Each token's weight in the loss sum: its mask (dapo, cispo), or the mask over its completion's length (grpo:
+    each completion's mean over its tokens; loss_denominator then counts completions)."""
+    return mask / mask.sum(dim=1, keepdim=True).clamp(min=1.0) if loss_type == "grpo" else mask
+
+
+def sampling_logps(model, rollouts, args, autocast) -> list:  # grpo
+    """pi_old: per micro-batch, the log-probabilities of the weights that sampled, before the first update, with no
+    graph. One update: None (completion_losses takes the current ones, detached: the same, one forward less)."""
+    if args.num_iterations == 1:
+        return [None] * len(rollouts)
+    with torch.no_grad(), autocast:
+        return [-model(input_ids, labels=labels, loss_reduction="none").loss for input_ids, labels, _ in rollouts]
+
+
+def loss_denominator(rollouts, local_tokens: torch.Tensor, loss_type: str) -> torch.Tensor:  # grpo
+    """This rank's share of what the loss sum is divided by: its completion tokens (dapo, cispo: DAPO's token mean),
+    or its completions (grpo: the mean of each one's token mean; a placeholder's rows, with no token, are none)."""
+    if loss_type != "grpo":
+        return local_tokens.clone()
+    return sum((labels[:, 1:] != -100).any(dim=1).sum() for _, labels, _ in rollouts).double()
 
 
 def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds, val_ds, run: RunSpec, lm_config,
@@ -155,30 +190,35 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
         lr = get_lr((epoch * n + end) / (args.epochs * n), base_lr, args.warmup_ratio)
         on_device, local_tokens, watch = step_rollouts(unwrap(model), micro_batches, train_ds, args, epoch,  # grpo
                                                        autocast, dist_info.device)  # grpo
-        # The loss is a sum over completion tokens divided by those of the WHOLE global batch  # grpo
-        # (all ranks, all micro-steps), so the gradient does not depend on how the batch is split (MoE aside: below).
-        global_tokens = sum_over_ranks(local_tokens.clone())
+        # The loss is a sum over completion tokens divided by those of the WHOLE global batch (grpo: its  # grpo
+        # completions; all ranks, all micro-steps), so the gradient does not depend on how the batch is split.  # grpo
+        global_tokens = sum_over_ranks(loss_denominator(on_device, local_tokens, args.loss_type))  # grpo
         loss_scale = world_size / global_tokens.clamp(min=1.0)  # x world_size: DDP averages over ranks
         loss_sum = torch.zeros((), dtype=torch.float64, device=dist_info.device)
-        for i, rollout in enumerate(on_device):  # grpo: (input_ids, labels, advantages)
-            # Only the last micro-step all-reduces the gradients; the others just accumulate.
-            with no_sync(model, accumulate_only=i < len(on_device) - 1):
-                with autocast:
-                    losses, aux_loss = completion_losses(model, ref_model, *rollout, args, watch)  # grpo
-                    loss = losses.sum() * loss_scale + aux_loss / len(on_device)  # grpo: MoE's, per micro-batch
-                scaler.scale(loss).backward()
-            loss_sum += losses.detach().sum().double()  # grpo
-        scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        # AdamW's step: skipped on the device, with no wait, where a gradient is not finite
-        optimizer_step(optimizer, scaler, grad_norm)
-        optimizer.zero_grad(set_to_none=True)
+        old_logps, norms = sampling_logps(unwrap(model), on_device, args, autocast), []  # grpo: pi_old, first
+        for _ in range(args.num_iterations):  # grpo: mu updates on these rollouts; pi moves away from pi_old
+            for i, rollout in enumerate(on_device):  # grpo: (input_ids, labels, advantages)
+                # Only the last micro-step all-reduces the gradients; the others just accumulate.  # grpo
+                with no_sync(model, accumulate_only=i < len(on_device) - 1):  # grpo
+                    with autocast:  # grpo
+                        losses, aux_loss = completion_losses(model, ref_model, *rollout, args, watch,  # grpo
+                                                             old_logps[i])  # grpo
+                        loss = losses.sum() * loss_scale + aux_loss / len(on_device)  # grpo: MoE's, per micro-batch
+                    scaler.scale(loss).backward()  # grpo
+                loss_sum += losses.detach().sum().double()  # grpo
+            scaler.unscale_(optimizer)  # grpo: clip the true gradients, not the fp16-scaled ones
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip))  # grpo
+            for group in optimizer.param_groups:  # grpo
+                group["lr"] = lr  # grpo
+            # AdamW's step: skipped on the device, with no wait, where a gradient is not finite  # grpo
+            optimizer_step(optimizer, scaler, norms[-1])  # grpo
+            optimizer.zero_grad(set_to_none=True)  # grpo
+        watch[-2:] /= args.num_iterations  # grpo: the KL and clip_fraction over all mu updates' tokens
         # Step N's numbers stay on the device: reading one (`.item()`) would make the host wait for the GPU.
         taken.append((Step(at.global_step + 1, epoch, at.samples_consumed, end, lr,
                            *trained_samples(micro_batches)),  # (its sample indices, its input tokens)
-                      [loss_sum, local_tokens, global_tokens, grad_norm]))
+                      [loss_sum / args.num_iterations, local_tokens, global_tokens,  # grpo: the mean update's loss,
+                       torch.stack(norms).max()]))  # grpo: the largest grad norm (NaN if any: the guard sees it)
         at = at.after(end, n)  # a step skipped on the device too: its samples count as consumed
         tracker.step_taken(at.global_step)  # the first prints "first step done": a sign of life on a slow machine
         # ---- step N's log line, validation and save, at their intervals: none changes a step's numbers --

@@ -87,7 +87,9 @@ RANGES = {
     "alpha": ("in [0, 1] (distillation: the cross-entropy's share of the loss, the KL to the teacher's the rest)",
               lambda v: 0 <= v <= 1),
     "teacher_hidden_size": (SIZE, lambda v: 1 <= v <= MAX_SIZE),
-    "clip_eps": ("in (0, 1) (the ratio pi / pi_old is clipped to [1 - clip_eps, 1 + clip_eps])", lambda v: 0 < v < 1),
+    "clip_eps": ("a finite number > 0 (GRPO's clip; below 1 but for --loss_type cispo: check_grpo_flags)",
+                 lambda v: 0 < v < math.inf),
+    "num_iterations": ("an integer >= 1 (GRPO: optimizer updates on each batch of rollouts)", lambda v: v >= 1),
 }
 LOGGERS = ("console", "file", "wandb", "swanlab")
 
@@ -150,6 +152,10 @@ def check_grpo_flags(args: argparse.Namespace) -> None:
     if args.val_data:
         raise ConfigError("--val_data: GRPO has no validation loss on sampled completions; score held-out prompts "
                           "with eval_model.py")
+    if args.clip_eps >= 1 and args.loss_type != "cispo":  # 1 - clip_eps would be no lower bound; cispo has none
+        raise ConfigError(f"--clip_eps {args.clip_eps}: must be in (0, 1) (the ratio pi / pi_old is clipped to "
+                          f"[1 - clip_eps, 1 + clip_eps]); only --loss_type cispo, which caps its weight at "
+                          f"1 + clip_eps, takes more")
     if args.max_completion_len >= args.max_seq_len:
         raise ConfigError(f"--max_completion_len {args.max_completion_len}: must be below --max_seq_len "
                           f"{args.max_seq_len} (the prompt gets the rest)")

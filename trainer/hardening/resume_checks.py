@@ -19,11 +19,13 @@ FIXED_TRAINING_ARGS = ("epochs", "seed", "max_seq_len", "pack", "learning_rate",
                        "beta",  # DPO's (and GRPO's)
                        "num_generations", "max_completion_len", "temperature", "clip_eps", "rewards",  # GRPO's
                        "max_turns",  # agentic GRPO's
+                       "num_iterations", "loss_type",  # GRPO's too: how often, and by which loss, a batch trains
                        "base_sha256",  # LoRA's frozen base, DPO's reference: the hash of --from_weight's file
                        "alpha", "teacher_sha256")  # distillation's: the CE's share, the hash of the teacher's file
 # The value of a setting a run without its flag trains with: SFT and checkpoints written before
-# --pack existed have no "pack", and they trained unpacked; GRPO's before --max_turns, one turn.
-SETTING_DEFAULTS = {"pack": 0, "max_turns": 1}
+# --pack existed have no "pack", and they trained unpacked; GRPO's before --max_turns, --num_iterations and
+# --loss_type, one turn, one update per batch of rollouts, by DAPO's loss.
+SETTING_DEFAULTS = {"pack": 0, "max_turns": 1, "num_iterations": 1, "loss_type": "dapo"}
 
 
 class ConfigError(ValueError):
