@@ -297,7 +297,8 @@ def run_to_completion(command: list, env: dict, log_path: Path, timeout: float, 
 def kill_and_resume(make_command: MakeCommand, flags: list, env: dict, run_dir: Path, kills: int, seed: int,
                     max_wait_s: float, early_kill_fraction: float = 0.1, kill_in_save_every: int = 3,
                     report: Callable[[str], None] = print, start_timeout: float = 120,
-                    finish_timeout: float = 600, result: SoakResult | None = None) -> SoakResult:
+                    finish_timeout: float = 600, result: SoakResult | None = None,
+                    run: str = "pretrain_32") -> SoakResult:
     """Launch, SIGKILL at a random moment, repeat `kills` times, then run to the end.
 
     Every `kill_in_save_every`-th kill waits for a save to begin and strikes up to a second into
@@ -305,7 +306,7 @@ def kill_and_resume(make_command: MakeCommand, flags: list, env: dict, run_dir: 
     after training began (or, with probability `early_kill_fraction`, while the job is starting).
     """
     rng, result = random.Random(seed), result or SoakResult()
-    files, trace = RunFiles(run_dir / "ckpt", "pretrain_32"), run_dir / "trace.jsonl"
+    files, trace = RunFiles(run_dir / "ckpt", run), run_dir / "trace.jsonl"
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     for number in range(1, kills + 1):
@@ -356,28 +357,29 @@ def kill_and_resume(make_command: MakeCommand, flags: list, env: dict, run_dir: 
 
 
 def check_run(result: SoakResult, run_dir: Path, reference_dir: Path, num_samples: int, epochs: int,
-              compare_final: bool = True) -> None:
+              compare_final: bool = True, run: str = "pretrain_32") -> None:
     """Fill in the exactly-once and equal-to-uninterrupted verdicts of a killed run."""
     lines = (run_dir / "trace.jsonl").read_text().splitlines()
     records = one_record_per_step([json.loads(line) for line in lines if line.strip()], result)
     result.sample_problems = check_each_sample_once(records, num_samples, epochs)
     result.final_compared = compare_final
     if compare_final:
-        final, reference = (newest_state(d / "ckpt") for d in (run_dir, reference_dir))
+        final, reference = (newest_state(d / "ckpt", run) for d in (run_dir, reference_dir))
         result.state_differences = compare_states(final, reference)
 
 
-def newest_state(checkpoint_dir: Path) -> dict:
-    """The newest checkpoint the latest pointer names, as one state (a sharded folder consolidated)."""
-    newest = checkpoint_dir / (checkpoint_dir / "pretrain_32_latest.txt").read_text().strip()
+def newest_state(checkpoint_dir: Path, run: str = "pretrain_32") -> dict:
+    """The newest checkpoint of `run` its latest pointer names, as one state (a sharded folder consolidated)."""
+    newest = checkpoint_dir / (checkpoint_dir / f"{run}_latest.txt").read_text().strip()
     return consolidate(newest) if newest.is_dir() else torch.load(newest, weights_only=True)
 
 
 def soak(make_command: MakeCommand, workdir: Path, data: Path, *, kills: int, seed: int, epochs: int,
          num_samples: int, batch_size: int = 2, save_interval: int = 2, max_wait_s: float = 2.5,
          save_delay_s: float = 0.4, step_delay_s: float = 0.05, base_env: dict | None = None,
-         report: Callable[[str], None] = print, compare_final: bool = True) -> SoakResult:
-    """An uninterrupted reference run, the killed run, and the checks comparing them."""
+         report: Callable[[str], None] = print, compare_final: bool = True, run: str = "pretrain_32") -> SoakResult:
+    """An uninterrupted reference run, the killed run, and the checks comparing them (`run`: the run's file
+    name, {save_weight}_{hidden_size}, e.g. distill_32 for a distillation command)."""
     start, result = time.time(), SoakResult()
     base_env = dict(os.environ if base_env is None else base_env, OMP_NUM_THREADS="1")
     reference, killed = workdir / "reference", workdir / "killed"
@@ -389,8 +391,8 @@ def soak(make_command: MakeCommand, workdir: Path, data: Path, *, kills: int, se
     slow = dict(base_env, FAULT_SAVE_DELAY_S=str(save_delay_s), FAULT_STEP_DELAY_S=str(step_delay_s),
                 PYTHONPATH=os.pathsep.join(filter(None, [str(FAULT_INJECTION_DIR), base_env.get("PYTHONPATH")])))
     kill_and_resume(make_command, job_flags(data, killed, epochs, batch_size, save_interval), slow, killed,
-                    kills, seed, max_wait_s, report=report, result=result)
-    check_run(result, killed, reference, num_samples, epochs, compare_final)
+                    kills, seed, max_wait_s, report=report, result=result, run=run)
+    check_run(result, killed, reference, num_samples, epochs, compare_final, run)
     result.seconds = time.time() - start
     return result
 

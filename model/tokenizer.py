@@ -16,6 +16,7 @@ bytes of text each token stands for (validation's bits per byte divides by them)
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -54,6 +55,15 @@ def load_tokenizer(path: str | os.PathLike = DEFAULT_TOKENIZER) -> Tokenizer:
     tokenizer = Tokenizer.from_file(str(path))
     check_special_tokens(tokenizer, path)
     return tokenizer
+
+
+def vocab_sha256(path: str | os.PathLike) -> str:
+    """The SHA-256 of the tokenizer's vocabulary, each token's text in id order (added tokens included): what a
+    model's embedding rows and logits mean. Unlike the file's hash it stays the same when the file is re-saved in
+    another layout or by another version of the tokenizers library, and a copy has it too."""
+    vocab = load_tokenizer(path).get_vocab(with_added_tokens=True)
+    by_id = sorted((token_id, token) for token, token_id in vocab.items())
+    return hashlib.sha256(json.dumps(by_id, ensure_ascii=False).encode("utf-8")).hexdigest()
 
 
 def text_only_copy(tokenizer: Tokenizer) -> Tokenizer:

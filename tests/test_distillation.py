@@ -55,7 +55,8 @@ def by_hand(student, teacher, labels, alpha: float, temperature: float) -> float
 @pytest.mark.parametrize("alpha, temperature", [(0.5, 2.0), (0.0, 1.0), (1.0, 3.0), (0.2, 0.7)])
 def test_the_loss_is_the_hand_computation_and_torchs_kl_div_on_the_labelled_tokens(alpha, temperature):
     student, teacher, labels = logits_and_labels()
-    ours = float(distillation_loss(student, teacher, labels, alpha, temperature))
+    loss, (cross_entropy_part, kl_part) = distillation_loss(student, teacher, labels, alpha, temperature)
+    ours = float(loss)
     assert abs(ours - by_hand(student, teacher, labels, alpha, temperature)) < 1e-12
     # torch: kl_div(input = the student's log q, target = the teacher's log p) is sum p (log p - log q) = KL(p || q)
     targets = F.pad(labels[:, 1:], (0, 1), value=-100)
@@ -63,13 +64,16 @@ def test_the_loss_is_the_hand_computation_and_torchs_kl_div_on_the_labelled_toke
                   reduction="none", log_target=True).sum(-1)[targets != -100].sum()
     cross_entropy = F.cross_entropy(student.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
     assert abs(ours - float(alpha * cross_entropy + (1 - alpha) * temperature ** 2 * kl)) < 1e-12
+    # The parts the log line shows: the loss's cross-entropy and KL sums, unweighted
+    assert abs(float(cross_entropy_part) - by_hand(student, teacher, labels, 1.0, temperature)) < 1e-12
+    assert abs(float(kl_part) - by_hand(student, teacher, labels, 0.0, temperature) / temperature ** 2) < 1e-12
 
 
 def test_a_teacher_equal_to_the_student_adds_no_kl_and_unlabelled_tokens_add_nothing():
     student, teacher, labels = logits_and_labels(seed=1)
-    assert float(distillation_loss(student, student, labels, 0.0, 2.0)) == pytest.approx(0.0, abs=1e-12)
+    assert float(distillation_loss(student, student, labels, 0.0, 2.0)[0]) == pytest.approx(0.0, abs=1e-12)
     unlabelled = torch.full_like(labels, -100)
-    loss = distillation_loss(student.requires_grad_(), teacher, unlabelled, 0.5, 2.0)
+    loss, _ = distillation_loss(student.requires_grad_(), teacher, unlabelled, 0.5, 2.0)
     loss.backward()
     assert float(loss.detach()) == 0.0 and float(student.grad.abs().sum()) == 0.0
 
@@ -85,9 +89,9 @@ def test_with_alpha_one_it_is_sfts_summed_cross_entropy_and_the_teacher_gets_no_
     sft = student(input_ids, labels=labels, loss_reduction="sum").loss
     with torch.no_grad():
         target = teacher(input_ids).logits
-    ours = distillation_loss(student(input_ids).logits, target, labels, 1.0, 2.0)
+    ours, _ = distillation_loss(student(input_ids).logits, target, labels, 1.0, 2.0)
     assert float(ours) == pytest.approx(float(sft), rel=1e-6)
-    distillation_loss(student(input_ids).logits, target, labels, 0.5, 2.0).backward()
+    distillation_loss(student(input_ids).logits, target, labels, 0.5, 2.0)[0].backward()
     assert all(p.grad is None for p in teacher.parameters()) and all(p.grad is not None for p in student.parameters())
 
 
@@ -100,7 +104,7 @@ def test_the_kl_part_is_trls_gkd_loss_with_beta_0(temperature):
     targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # TRL's labels sit on the positions that predict them
     # beta = 0: TRL's generalized JSD is kl_div(student, teacher) = KL(teacher_T || student_T), per labelled token
     trl = GKDTrainer.generalized_jsd_loss(student, teacher, labels=targets, beta=0, temperature=temperature)
-    ours = distillation_loss(student, teacher, labels, 0.0, temperature) / temperature ** 2
+    ours = distillation_loss(student, teacher, labels, 0.0, temperature)[0] / temperature ** 2
     assert abs(float(ours / (targets != -100).sum()) - float(trl)) < 1e-12  # TRL means over its tokens
     # Normalised by a larger batch's token count (num_items_in_batch), as the loop divides by the global batch's
     trl_global = GKDTrainer.generalized_jsd_loss(student, teacher, labels=targets, beta=0, temperature=temperature,

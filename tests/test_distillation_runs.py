@@ -9,7 +9,9 @@ once; a SIGTERM that saves.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ import torch
 from conftest import (assert_each_sample_once, assert_states_equal, events_of, history_file, metrics_of, resume_file,
                       run_args, sigterm_two_ranks_then_resume, status_of, trace_of, train)
 from model.model import CausalLM, LMConfig
-from model.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
+from model.tokenizer import DEFAULT_TOKENIZER, load_tokenizer, vocab_sha256
 from test_dpo import TINY
 from test_dpo_runs import by_step
 from trainer.hardening import checkpoint_io as cio
@@ -88,6 +90,55 @@ def test_bad_flags_a_missing_teacher_and_one_with_another_vocabulary_are_one_lin
         assert result.returncode == 2 and result.stderr.startswith(line), (line, result.stderr[-2000:])
         assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (tmp_path / "ckpt").exists() and not (other / "ckpt").exists()  # refused before anything was saved
+
+
+def test_a_teacher_or_from_weight_trained_with_another_tokenizer_of_the_same_size_is_one_line_with_exit_2(
+        tmp_path, sft_data):
+    # The teacher's out/full_sft_32.json as training writes it (the student's, at the end, proves it)
+    teacher, recorded = write_teacher(tmp_path / "out"), tmp_path / "out" / "full_sft_32.json"
+    recorded.write_text(json.dumps({"max_seq_len": 48, "tokenizer_vocab_sha256": vocab_sha256(DEFAULT_TOKENIZER)}))
+    # Another tokenizer of the same size: two tokens trade ids, so the same ids stand for other text.
+    config = json.loads(DEFAULT_TOKENIZER.read_text(encoding="utf-8"))
+    vocab = config["model"]["vocab"]
+    first, second = list(vocab)[300:302]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    other = tmp_path / "other_tokenizer.json"
+    other.write_text(json.dumps(config, ensure_ascii=False), encoding="utf-8")
+    assert load_tokenizer(other).get_vocab_size() == load_tokenizer(DEFAULT_TOKENIZER).get_vocab_size()
+    for script, flag, args in [(SCRIPT, "--teacher_weight full_sft", distill_args(tmp_path, sft_data)),
+                               ("train_full_sft.py", "--from_weight full_sft",
+                                run_args(tmp_path, sft_data, "--from_weight", "full_sft", "--num_hidden_layers", "3",
+                                         "--save_weight", "more"))]:
+        result = train(script, None, [*args, "--tokenizer_path", str(other)], tmp_path, check=False)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+        assert result.stderr == (
+            f"error: {flag}: {teacher} was trained with another tokenizer than --tokenizer_path {other}: {recorded} "
+            f"records vocabulary hash {vocab_sha256(DEFAULT_TOKENIZER)[:12]}..., {other} has "
+            f"{vocab_sha256(other)[:12]}...; the same token ids would stand for other text. Pass the tokenizer it "
+            f"was trained with as --tokenizer_path\n"), result.stderr
+    # A copy of the tokenizer it was trained with is the same tokenizer: the student trains, and records it.
+    copy = shutil.copy(DEFAULT_TOKENIZER, tmp_path / "copy_of_tokenizer.json")
+    done = train(SCRIPT, None, [*distill_args(tmp_path, sft_data, "--max_steps", "1"), "--tokenizer_path", copy],
+                 tmp_path)
+    assert "note:" not in done.stdout, done.stdout
+    assert json.loads((tmp_path / "out" / "distill_32.json").read_text()) == {
+        "max_seq_len": 48, "tokenizer_vocab_sha256": vocab_sha256(DEFAULT_TOKENIZER)}
+
+
+def test_the_log_line_and_metrics_split_the_loss_into_its_cross_entropy_and_kl_on_two_ranks(tmp_path, sft_data):
+    # write_teacher's file has no .json beside it (as an earlier version's, or minimind's): a note, not a refusal
+    result = train(SCRIPT, 2, distill_args(tmp_path, sft_data, "--batch_size", "2", "--max_steps", "3"), tmp_path)
+    notes = [line for line in result.stdout.splitlines() if line.startswith("note: --teacher_weight")]
+    assert notes == [f"note: --teacher_weight full_sft: {tmp_path / 'out' / 'full_sft_32.pth'} has no record of the "
+                     f"tokenizer it was trained with (no tokenizer_vocab_sha256 in full_sft_32.json: an earlier "
+                     f"version's or minimind's file); that it is --tokenizer_path's is not checked"], result.stdout
+    logged = [r for r in metrics_of(tmp_path, RUN) if "loss" in r]
+    assert [r["step"] for r in logged] == [1, 2, 3]
+    for record in logged:  # per labelled token of the global batch, as the loss: alpha 0.3, temperature 2
+        assert record["ce"] > 0 and record["kl"] > 0, record
+        assert record["loss"] == pytest.approx(0.3 * record["ce"] + 0.7 * 2 ** 2 * record["kl"], rel=1e-6), record
+        assert f"loss {record['loss']:.4f} " in result.stdout
+        assert f" ce {record['ce']:.4g} kl {record['kl']:.4g} " in result.stdout, result.stdout
 
 
 def test_a_save_weight_that_names_the_teachers_file_is_refused_before_it_can_be_overwritten(tmp_path, sft_data):

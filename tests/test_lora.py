@@ -26,7 +26,7 @@ from conftest import (assert_each_sample_once, assert_states_equal, child_pids, 
 from lora_files import tiny_config, write_adapter, write_base
 from model.lora import LORA_TARGETS, LoRALinear, adapter_of, apply_lora, load_lora, merged_state_dict
 from model.model import CausalLM
-from model.tokenizer import load_tokenizer
+from model.tokenizer import DEFAULT_TOKENIZER, load_tokenizer, vocab_sha256
 from scripts.inspect_checkpoint import describe_checkpoint
 from test_tracking import offline_runs, wandb_offline_run
 from trainer.hardening.checkpoint_io import RunFiles, verify
@@ -204,7 +204,7 @@ def test_lora_resumes_bit_identically_saves_the_adapter_alone_verified_and_refus
     assert any(t.abs().max() > 0 for k, t in state["model"].items() if "lora_B" in k), "B never left zero"
     assert json.loads((split / "out" / f"{NAME}.json").read_text()) == {
         "max_seq_len": 48, "lora_rank": 4, "lora_alpha": 16.0, "lora_targets": "q_proj,v_proj,down_proj",
-        "base_file": str(base), "base_sha256": base_sha256}
+        "base_file": str(base), "base_sha256": base_sha256, "tokenizer_vocab_sha256": vocab_sha256(DEFAULT_TOKENIZER)}
     assert sha256_of(base) == base_sha256
 
     # Verified and rotated: saves at 2, 3 (the first stop), 4, 6 and 7; the newest two are kept, and verify.

@@ -288,7 +288,7 @@ def test_a_stream_holds_back_only_what_may_still_open_a_think_block():
 
 def test_a_prompt_longer_than_the_trained_length_is_refused_naming_it(served):
     base, args = served
-    assert json.loads((Path(args.save_dir) / "full_sft_32.json").read_text()) == {"max_seq_len": 48}
+    assert json.loads((Path(args.save_dir) / "full_sft_32.json").read_text())["max_seq_len"] == 48
     long_question = [{"role": "user", "content": "Tell me a long story about " + "a red fox and " * 8}]  # 70 tokens
     with pytest.raises(BadRequestError) as refused:
         client(base).chat.completions.create(model="full_sft", messages=long_question, max_tokens=2)

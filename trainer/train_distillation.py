@@ -12,7 +12,8 @@ from random weights by default (--from_weight names a file). Run it from a plain
     ... --parallel fsdp                                             # the teacher is sharded too
 
 Writes out/distill_{hidden}.pth and checkpoints/ (the teacher named by its hash: a resume refuses a changed one).
-The logged loss is the distillation loss; validation (--val_data) is the student's cross-entropy, as in SFT.
+A teacher whose out/*.json records another tokenizer than --tokenizer_path is refused. The logged loss is the
+distillation loss, with its parts per token, ce and kl; validation (--val_data) is the student's CE, as in SFT.
 What changes from train_full_sft.py: the lines marked `# distill`.
 """
 
@@ -44,7 +45,7 @@ from trainer.hardening.resume_checks import data_fingerprint, resume_settings
 from trainer.hardening.run_lock import claim_run_directories
 from trainer.hardening.sharding import shard_model
 from trainer.hardening.stopping import StopRequest, end_of_run, loader_worker_ignores_stops
-from trainer.hardening.tracking import Tracker, flops_per_token, validation_loss
+from trainer.hardening.tracking import Tracker, flops_per_token, loss_parts, validation_loss  # distill
 from trainer.trainer_utils import (REPO_ROOT, IndexedDataset, Position, RunSpec, SkipBatchSampler, Step, epoch_order,
                                    get_lr, given_sizes, init_model, lm_checkpoint, load_checkpoint,
                                    model_config, no_sync, optimizer_step, rank0_logger, read_on_host,
@@ -96,11 +97,12 @@ def parse_args() -> argparse.Namespace:
 
 
 def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,  # distill
-                      alpha: float, temperature: float) -> torch.Tensor:
+                      alpha: float, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed over the labelled positions (position t predicts labels[t + 1], as in the model's own loss):
     alpha * cross-entropy + (1 - alpha) * T^2 * KL(p_T || q_T), where KL(p || q) = sum over the vocabulary of
     p (log p - log q), p_T the teacher's softmax of logits / T, q_T the student's. In fp32 at least (autocast's
-    logits may be bf16). The caller divides by the global batch's labelled tokens, as for SFT's loss."""
+    logits may be bf16). The caller divides by the global batch's labelled tokens, as for SFT's loss. Returns it
+    and, detached for the log line, its parts: [the cross-entropy sum, the KL sum]."""
     dtype = torch.promote_types(student_logits.dtype, torch.float32)
     student, teacher = student_logits.to(dtype), teacher_logits.to(dtype)
     targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # the shift by one
@@ -108,7 +110,7 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
     teacher_log_p = F.log_softmax(teacher / temperature, dim=-1)
     kl = (teacher_log_p.exp() * (teacher_log_p - F.log_softmax(student / temperature, dim=-1))).sum(dim=-1)
     kl = torch.where(targets != -100, kl, 0.0).sum()  # the assistant's tokens only
-    return alpha * cross_entropy + (1 - alpha) * temperature ** 2 * kl
+    return alpha * cross_entropy + (1 - alpha) * temperature ** 2 * kl, torch.stack([cross_entropy, kl]).detach()
 
 
 def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds, val_ds, run: RunSpec, lm_config,
@@ -142,6 +144,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
         global_tokens = sum_over_ranks(local_tokens.clone())
         loss_scale = world_size / global_tokens.clamp(min=1.0)  # x world_size: DDP averages over ranks
         loss_sum = torch.zeros((), dtype=torch.float64, device=dist_info.device)
+        ce_kl = torch.zeros(2, dtype=torch.float64, device=dist_info.device)  # distill: the CE and KL sums, logged
         for i, (input_ids, labels) in enumerate(on_device):
             # Only the last micro-step all-reduces the gradients; the others just accumulate.
             with no_sync(model, accumulate_only=i < len(on_device) - 1):
@@ -149,10 +152,11 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
                     out = model(input_ids)  # distill: its logits; distillation_loss takes the labels
                     with torch.no_grad():  # distill: not trained, no graph kept; autocast's dtype on a GPU
                         target = teacher(input_ids).logits  # distill
-                    summed = distillation_loss(out.logits, target, labels, args.alpha, args.temperature)  # distill
+                    summed, part = distillation_loss(out.logits, target, labels, args.alpha, args.temperature)  # distill
                     loss = summed * loss_scale + out.aux_loss / len(on_device)  # distill: MoE's, a micro-batch mean
                 scaler.scale(loss).backward()
             loss_sum += summed.detach().double()  # distill
+            ce_kl += part.double()  # distill
         scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         for group in optimizer.param_groups:
@@ -180,7 +184,8 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
                 tracker.step(step, numbers, verdict)  # its trace line (--save_debug_train_output), tokens/s
         if log_now:  # step N's line (the last one read): the loss over the global batch, its LR and grad norm
             tracker.log({"epoch": step.epoch, "samples_consumed": at.samples_consumed, "loss": numbers.loss,
-                         "lr": step.lr, "grad_norm": numbers.grad_norm},
+                         "lr": step.lr, "grad_norm": numbers.grad_norm,  # distill: and the loss's two parts
+                         **loss_parts(ce_kl, local_tokens)},  # distill: the last step's, per token as the loss
                         at.global_step, last_step)
         if validate:
             tracker.validation(at.global_step, validation_loss(unwrap(model), val_ds, args.batch_size,

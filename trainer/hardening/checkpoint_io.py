@@ -348,7 +348,8 @@ def cast_state_dict(state_dict: dict, dtype: torch.dtype) -> dict:
 
 
 # What out/{run}.json holds, of the run's settings (those a run has: LoRA's are None elsewhere).
-OUT_SIDECAR_KEYS = ("max_seq_len", "lora_rank", "lora_alpha", "lora_targets", "base_file", "base_sha256")
+OUT_SIDECAR_KEYS = ("max_seq_len", "lora_rank", "lora_alpha", "lora_targets", "base_file", "base_sha256",
+                    "tokenizer_vocab_sha256")
 
 
 def write_out_weights(out_path: Path, weights: dict, train_args: dict,
@@ -356,8 +357,9 @@ def write_out_weights(out_path: Path, weights: dict, train_args: dict,
     """`out/{run}.pth`, the FP16 state dict, and beside it `out/{run}.json`, {"max_seq_len": N}: the length the
     model was trained at, which its weights cannot tell (scripts/serve_openai_api.py refuses longer prompts);
     for a LoRA adapter also its "lora_rank", "lora_alpha", "lora_targets" and the base it was trained on,
-    "base_file" and "base_sha256" (model/lora.py reads them). The .pth stays a plain state dict, as minimind's
-    loaders expect."""
+    "base_file" and "base_sha256" (model/lora.py reads them); and the tokenizer's "tokenizer_vocab_sha256"
+    (a stage that starts from the weights checks it: from_weight.py). The .pth stays a plain state dict, as
+    minimind's loaders expect."""
     try:
         out_path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(out_path, lambda f: torch.save(weights, f), still_held)

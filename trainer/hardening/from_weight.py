@@ -4,16 +4,19 @@
 tensors, so minimind's files (or ours of any shape) need no size flags; size flags given are checked against
 it, and a mismatch names both. `frozen_model` is that model with every weight frozen: LoRA's base and DPO's
 reference, named in a checkpoint by the file's hash instead of a copy of its weights. `frozen_teacher` is
-distillation's teacher, --teacher_weight's file, frozen and named the same way.
+distillation's teacher, --teacher_weight's file, frozen and named the same way. Each file is refused if the
+`out/{run}.json` beside it records another tokenizer than --tokenizer_path (`check_tokenizer`).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Callable
 
 from model.weights import load_project_weights
 from model.model import CausalLM, LMConfig
+from model.tokenizer import vocab_sha256
 from trainer.hardening.durable_files import sha256_of
 from trainer.hardening.resume_checks import ConfigError
 
@@ -39,8 +42,35 @@ def load_from_weight(args, vocab_size: int, log: Callable[[str], None]) -> Causa
         raise FileNotFoundError(f"--from_weight {args.from_weight}: {path} does not exist. Train that stage first "
                                 f"(e.g. trainer/train_pretrain.py with the same --hidden_size), or pass "
                                 f"--from_weight none to start from random weights")
-    return load_weights(f"--from_weight {args.from_weight}", path, {name: getattr(args, name) for name in SIZE_FLAGS},
-                        vocab_size, "initial weights", log)
+    model = load_weights(f"--from_weight {args.from_weight}", path, {name: getattr(args, name) for name in SIZE_FLAGS},
+                         vocab_size, "initial weights", log)
+    check_tokenizer(f"--from_weight {args.from_weight}", path, args.tokenizer_path, log)
+    return model
+
+
+def check_tokenizer(flag: str, path: Path, tokenizer_path: str, log: Callable[[str], None]) -> None:
+    """Refuse weights trained with another tokenizer than `tokenizer_path`: the same ids would stand for other
+    text, which a vocabulary of the same size does not show. The .json beside them (checkpoint_io.
+    write_out_weights) records the tokenizer's model.tokenizer.vocab_sha256; without it (an earlier version's
+    file, minimind's weights) a note says nothing was checked."""
+    sidecar = path.with_suffix(".json")
+    try:
+        settings = json.loads(sidecar.read_text(encoding="utf-8")) if sidecar.is_file() else {}
+    except (ValueError, RecursionError) as error:
+        raise ConfigError(f"{flag}: {sidecar} (written beside {path.name} by the trainer) is not JSON ({error}): "
+                          f"fix or delete it") from None
+    recorded = settings.get("tokenizer_vocab_sha256") if isinstance(settings, dict) else None
+    if recorded is None:
+        log(f"note: {flag}: {path} has no record of the tokenizer it was trained with (no tokenizer_vocab_sha256 "
+            f"in {sidecar.name}: an earlier version's or minimind's file); that it is --tokenizer_path's is not "
+            f"checked")
+        return
+    ours = vocab_sha256(tokenizer_path)
+    if recorded != ours:
+        raise ConfigError(f"{flag}: {path} was trained with another tokenizer than --tokenizer_path "
+                          f"{tokenizer_path}: {sidecar} records vocabulary hash {str(recorded)[:12]}..., "
+                          f"{tokenizer_path} has {ours[:12]}...; the same token ids would stand for other text. "
+                          f"Pass the tokenizer it was trained with as --tokenizer_path")
 
 
 def load_weights(flag: str, path: Path, sizes: dict, vocab_size: int, what: str,
@@ -84,4 +114,5 @@ def frozen_teacher(args, lm_config: LMConfig, log: Callable[[str], None]) -> tup
         raise ConfigError(f"{flag}: {path} has {model.config.vocab_size} embedding rows, the student's tokenizer "
                           f"{vocab_size} tokens: the loss compares the two distributions token by token, so "
                           f"distill from a teacher trained with the student's tokenizer (--tokenizer_path)")
+    check_tokenizer(flag, path, args.tokenizer_path, log)  # the same size, yet another tokenizer?
     return model.requires_grad_(False).eval(), {"teacher_file": str(path), "teacher_sha256": sha256_of(path)}

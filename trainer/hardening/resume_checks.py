@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import math
 
+from model.tokenizer import vocab_sha256
+
 # Settings that decide which samples form a step or the LR curve: refused when they differ on resume
 # (world size may change; batch geometry is checked separately).
 FIXED_TRAINING_ARGS = ("epochs", "seed", "max_seq_len", "pack", "learning_rate", "warmup_ratio", "grad_clip",
@@ -37,10 +39,13 @@ class ResumeMismatch(ConfigError):
 
 
 def resume_settings(args, accumulation: int, world_size: int) -> dict:
-    """The settings a checkpoint records and a resume compares (`train_args` in `_resume.pth`)."""
+    """The settings a checkpoint records and a resume compares (`train_args` in `_resume.pth`); also the
+    tokenizer's identity, which out/{run}.json keeps beside the weights (a later stage checks it: from_weight.py)."""
+    tokenizer = getattr(args, "tokenizer_path", None)
     return {"batch_size": args.batch_size, "accumulation_steps": accumulation,
             "global_batch_size": args.global_batch_size, "world_size": world_size,
-            **{k: getattr(args, k, SETTING_DEFAULTS.get(k)) for k in FIXED_TRAINING_ARGS}}
+            **{k: getattr(args, k, SETTING_DEFAULTS.get(k)) for k in FIXED_TRAINING_ARGS},
+            "tokenizer_vocab_sha256": vocab_sha256(tokenizer) if tokenizer else None}
 
 
 def plain(value):

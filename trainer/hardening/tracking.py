@@ -44,6 +44,7 @@ PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, 
 SAVE_PARTS = {"wait_s": "waiting for the previous write", "copy_s": "copying to CPU memory", "write_s": "writing",
               "other_s": "the state and the ranks' RNG"}
 RL_METRICS = ("reward", "reward_std", "no_signal", "completion_len", "kl", "clip_fraction")
+WATCHED = ("ce", *RL_METRICS)  # what a stage adds to its log line: GRPO's; distillation's ce and kl (loss_parts)
 
 
 def watched_metrics(watch: torch.Tensor, group_size: int) -> dict:
@@ -55,6 +56,14 @@ def watched_metrics(watch: torch.Tensor, group_size: int) -> dict:
     return {"reward": reward_sum / completions, "reward_std": std_sum / groups, "no_signal": no_signal / groups,
             "completion_len": tokens / completions, "kl": kl_sum / max(tokens, 1.0),
             "clip_fraction": clipped / max(tokens, 1.0)}
+
+
+def loss_parts(parts: torch.Tensor, local_tokens: torch.Tensor) -> dict:
+    """Distillation's loss in its two parts, over all ranks (a collective, as watched_metrics): the cross-entropy
+    ("ce") and the KL at the temperature ("kl"), each summed over the global batch's labelled tokens and divided
+    by their count, as the loss is: loss = alpha * ce + (1 - alpha) * T^2 * kl."""
+    ce_sum, kl_sum, tokens = summed(torch.cat([parts, local_tokens.reshape(1)]))
+    return {"ce": ce_sum / max(tokens, 1.0), "kl": kl_sum / max(tokens, 1.0)}
 
 
 def summed(tensor: torch.Tensor) -> list[float]:
@@ -333,7 +342,7 @@ class Tracker:
                 metrics["mfu"] = self.flops_per_token * metrics["tokens_per_s"] / (self.peak * world_size)
         self.last_log, self.last_log_step, self.tokens = now, step, 0
         if self.console:
-            watched = "".join(f" {name} {metrics[name]:.4g}" for name in RL_METRICS if name in metrics)  # GRPO's
+            watched = "".join(f" {name} {metrics[name]:.4g}" for name in WATCHED if name in metrics)  # a stage's own
             print(f"epoch {metrics['epoch'] + 1}/{self.epochs} step {step} ({total_steps - step} to go) "
                   f"loss {metrics['loss']:.4f} lr {metrics['lr']:.2e} grad_norm {metrics['grad_norm']:.3f}{watched} "
                   f"{metrics['tokens_per_s']:.0f} tok/s ETA {format_duration(metrics['eta_s'])}", flush=True)
