@@ -104,8 +104,9 @@ def test_a_called_tool_runs_its_result_is_appended_as_the_template_renders_it_an
 
     assert texts == [["<think>\n\n</think>\n\n391", "<think>\n\n</think>\n\n390"]]  # the final turns
     assert [[call.problem for call in rollout.calls] for rollout in rollouts[0]] == [[None], [None]]
-    scores, _ = score_groups(dataset.rewards, texts, ["391"], 2, rollouts)
+    scores, watched = score_groups(dataset.rewards, texts, ["391"], 2, rollouts)
     assert scores.tolist() == [[2.0, 1.0]]  # answer 1 + tool 1, then answer 0 + tool 1
+    assert [rollout.ran for rollout in rollouts[0]] == [1, 1] and watched[-1] == 2  # the log line's tool_calls: 1
     # One turn (--max_turns 1's length) or no room for the result: the rollout ends with its call, nothing run
     model.turns = [turn_ids(dataset, calls)]
     assert rollouts_of(dataset, model, max_turns=1)[0].shape == (2, len(ids[:tool_start]))
