@@ -126,8 +126,9 @@ def score_groups(functions: dict[str, Callable], groups: list[list[str] | None],
                  group_size: int, rollouts: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """[prompts, G] rewards of each prompt's group of completions (None: the loader's placeholder, zeros; `rollouts`:
     each group's Rollouts, with tools), and what
-    a user watches of them: [reward sum, in-group std sum, groups without signal (all alike), groups]. Every rank
-    calls it once per micro-step (as many on each), so a reward that fails on one rank stops them all here."""
+    a user watches of them: [reward sum, in-group std sum, groups without signal (all alike), groups, tool calls that
+    ran]. Every rank calls it once per micro-step (as many on each), so a reward that fails on one rank stops them
+    all here."""
     error, scores = None, torch.zeros(len(groups), group_size, dtype=torch.float64)
     try:
         rollouts = rollouts or [None] * len(groups)
@@ -139,7 +140,9 @@ def score_groups(functions: dict[str, Callable], groups: list[list[str] | None],
     raise_on_every_rank(error)
     real = torch.tensor([group is not None for group in groups])
     std = scores.std(dim=1)
-    return scores, torch.stack([scores[real].sum(), std[real].sum(), (std[real] == 0).sum(), real.sum()]).double()
+    ran = sum(rollout.ran for group in rollouts if group is not None for rollout in group)  # one turn: no Rollouts
+    return scores, torch.tensor([scores[real].sum(), std[real].sum(), (std[real] == 0).sum(), real.sum(), ran],
+                                dtype=torch.float64)
 
 
 def raise_on_every_rank(error: RewardError | None) -> None:

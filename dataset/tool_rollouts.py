@@ -56,6 +56,7 @@ class Rollout(NamedTuple):
     """What a rollout did, for the rewards that read more than its final answer (dataset/rewards.py: tool)."""
     turns: list[str]  # the model's text of each turn; the last is the completion the other rewards score
     calls: list[ToolCall]
+    ran: int  # how many of its calls ran (the log line's tool_calls); those of turn --max_turns never run
 
 
 def tool_turn(results: list[str]) -> list[Segment]:
@@ -97,7 +98,7 @@ def continue_rollout(model, prompt: torch.Tensor, first: torch.Tensor, encoder: 
                      time_limit_s: float) -> tuple[torch.Tensor, torch.Tensor, Rollout]:
     """One completion's rollout from its first turn `first` (tokens after the prompt, as generate gave them): the
     ids after the prompt, their labels (-100 on tool turns), and what it did."""
-    ids, labels, turns, calls, turn = [], [], [], [], first
+    ids, labels, turns, calls, turn, ran = [], [], [], [], first, 0
     while True:
         ended = (turn == EOS_ID).nonzero()
         kept = turn[:int(ended[0]) + 1] if len(ended) else turn  # through its end of text; the rest is padding
@@ -108,8 +109,8 @@ def continue_rollout(model, prompt: torch.Tensor, first: torch.Tensor, encoder: 
         calls += made
         if not (len(ended) and made and well_formed) or len(turns) == max_turns:
             break
-        results, ran = run_calls(made, offered, time_limit_s)
-        calls[-len(made):] = ran  # a failed run: that call scores 0
+        results, checked = run_calls(made, offered, time_limit_s)
+        calls[-len(made):], ran = checked, ran + len(made)  # a failed run: that call scores 0
         tool_ids = torch.tensor(encoder.encode(tool_turn(results))[0], device=prompt.device)
         room = max_new_tokens - sum(len(part) for part in ids) - len(tool_ids)
         if room < 1:  # no room for a model token after the results: the rollout ends with its calls
@@ -120,7 +121,7 @@ def continue_rollout(model, prompt: torch.Tensor, first: torch.Tensor, encoder: 
         with autocast:  # the same generator, carried on: the next turn is drawn alike after a resume
             turn = model.generate(so_far[None], room, temperature, eos_token_id=EOS_ID,
                                   generator=generator)[0, len(so_far):]
-    return torch.cat(ids), torch.cat(labels), Rollout(turns, calls)
+    return torch.cat(ids), torch.cat(labels), Rollout(turns, calls, ran)
 
 
 @torch.no_grad()

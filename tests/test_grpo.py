@@ -297,8 +297,8 @@ def test_cispos_cap_may_pass_2_as_scalerl_recommends(monkeypatch):
 def test_score_groups_counts_what_a_user_watches():
     scores, watched = score_groups(reward_functions("answer"), [["4", "5"], ["6", "6"], None], ["4", "6", None], 2)
     assert scores.tolist() == [[1.0, 0.0], [1.0, 1.0], [0.0, 0.0]]  # the placeholder: zeros, advantages 0
-    # reward sum 3, in-group std sum sqrt(0.5) + 0, one group of two without signal, two real groups
-    assert watched.tolist() == pytest.approx([3.0, math.sqrt(0.5), 1.0, 2.0])
+    # reward sum 3, in-group std sum sqrt(0.5) + 0, one group of two without signal, two real groups, no tool ran
+    assert watched.tolist() == pytest.approx([3.0, math.sqrt(0.5), 1.0, 2.0, 0.0])
     alone, _ = score_groups(reward_functions("answer"), [None], [None], 3)  # a rank's micro-batch of a placeholder
     assert alone.tolist() == [[0.0] * 3] and group_advantages(alone).tolist() == [[0.0] * 3]  # not NaN
 

@@ -3,18 +3,20 @@ at the TINY_MODEL size: the same gradient however the global batch is split (rol
 torchrun, across a resume; a run that trains, logs what a user watches and saves; a resume in one process bit
 for bit; one-line errors for a bad reward name, a line without an answer and a reward that fails mid-run (the
 last checkpoint stays the newest); rollouts beyond memory and a room no prompt fits in refused in one line, and the
-prompts cut said at start and counted in the metrics. Behind TRAINER_SLOW_TESTS=1: with tools (--max_turns 2), a resume
-in one process bit for bit and 2 -> 3 -> 1 ranks training each prompt's group once; a resume on 2 ranks bit-identical
-with the metrics and status files, rotated checkpoints and the tracker run id carried over, and a changed
-reference refused; a resume on 2 -> 3 -> 1 ranks training each prompt's group once; a SIGTERM that saves; a
-reward that fails on rank 1 only stopping both ranks with its line; two updates per batch of rollouts (--loss_type
-grpo, cispo) clipping and resuming bit for bit between batches.
+prompts cut said at start and counted in the metrics. Behind TRAINER_SLOW_TESTS=1, the first four also with tools
+(--max_turns 2, from a tiny model taught to call the calculator, which runs in most rollouts: the metrics' tool_calls):
+a resume in one process bit for bit (with tools only; without, above); a resume on 2 ranks bit-identical with the
+metrics and status files, rotated checkpoints and the tracker run id carried over, and a changed reference refused;
+a resume on 2 -> 3 -> 1 ranks training each prompt's group once; a SIGTERM that saves; then a reward that fails on
+rank 1 only stopping both ranks with its line; two updates per batch of rollouts (--loss_type grpo, cispo) clipping
+and resuming bit for bit between batches.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 from pathlib import Path
 
@@ -28,7 +30,7 @@ from model.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
 from scripts.plot_metrics import metrics_figure
 from test_dpo import write_jsonl, write_reference
 from test_grpo import question, sum_questions
-from test_grpo_tools import tool_questions
+from test_grpo_tools import CALCULATOR, tool_questions, write_tool_caller
 from trainer.hardening.durable_files import sha256_of
 from trainer.hardening.process_exit import run_script
 from trainer.hardening.run_lock import release_held
@@ -45,15 +47,46 @@ def prompts(tmp_path) -> Path:
     return write_jsonl(tmp_path / "prompts.jsonl", sum_questions(11))
 
 
-# --max_turns 2 on prompts offering the demo's tools (some 530 tokens of specs each), the tool reward among the rewards
-WITH_TOOLS = ["--max_turns", "2", "--max_seq_len", "560", "--rewards", "answer,brevity,tool"]
+# --max_turns 2 on prompts offering the calculator (some 385 tokens), from the tool_caller fixture's weights: a call,
+# its result and the answer take some 90 tokens (sampled at temperature 1); the tool reward among the rewards
+WITH_TOOLS = ["--max_turns", "2", "--max_seq_len", "490", "--max_completion_len", "100", "--temperature", "1",
+              "--rewards", "answer,brevity,tool", "--learning_rate", "1e-4"]
 
 
-def grpo_args(run_dir: Path, data: Path, *extra: str, seed: int = 0) -> list[str]:
-    """run_args for a GRPO run under `run_dir`, whose out/ gets a reference (full_sft_32.pth) if it has none. The
-    brevity reward gives a random model's groups signal from the first step; completions of 8 tokens, 3 a group."""
+@pytest.fixture(scope="module")
+def tool_caller(tmp_path_factory) -> Path:
+    """Weights that call the calculator in most rollouts (test_grpo_tools.write_tool_caller), made once a module."""
+    return write_tool_caller(tmp_path_factory.mktemp("tool_caller"))
+
+
+def run_data(tmp_path: Path, prompts: Path, tools: bool, request) -> tuple[Path, list[str], Path | None]:
+    """(data, flags, reference) of a run test: with tools, 11 prompts offering the calculator, WITH_TOOLS and the
+    tool_caller fixture's weights (made at the first test that asks); else `prompts`, no flags and random weights."""
+    if not tools:
+        return prompts, [], None
+    data = write_jsonl(tmp_path / "tools.jsonl", tool_questions(11, CALCULATOR))
+    return data, WITH_TOOLS, request.getfixturevalue("tool_caller")
+
+
+def assert_tools_ran_in_most_rollouts(run_dir: Path) -> None:
+    """The calculator ran in most of the run's rollouts (the metrics' tool_calls, calls run per rollout, logged at
+    every step), and in some rollouts of each invocation (the run from its start and from each resume)."""
+    ran = {r["step"]: r["tool_calls"] for r in metrics_of(run_dir, RUN) if "tool_calls" in r}
+    bounds = [0, *(step for event, step in events_of(run_dir, RUN) if event == "resume"), max(ran)]
+    assert all(sum(ran[s] for s in range(a + 1, b + 1)) > 0 for a, b in zip(bounds, bounds[1:])), (bounds, ran)
+    assert sum(ran.values()) / len(ran) > 0.5 and sorted(ran) == list(range(1, max(ran) + 1)), ran
+
+
+def grpo_args(run_dir: Path, data: Path, *extra: str, seed: int = 0, reference: Path | None = None) -> list[str]:
+    """run_args for a GRPO run under `run_dir`, whose out/ gets a reference (full_sft_32.pth) if it has none: a copy
+    of `reference`, or random weights. The brevity reward gives a random model's groups signal from the first step;
+    completions of 8 tokens, 3 a group."""
     if not (run_dir / "out" / "full_sft_32.pth").exists():
-        write_reference(run_dir / "out", load_tokenizer(DEFAULT_TOKENIZER).get_vocab_size(), seed=seed)
+        if reference is None:
+            write_reference(run_dir / "out", load_tokenizer(DEFAULT_TOKENIZER).get_vocab_size(), seed=seed)
+        else:
+            (run_dir / "out").mkdir(parents=True, exist_ok=True)
+            shutil.copy(reference, run_dir / "out" / "full_sft_32.pth")
     return run_args(run_dir, data, "--learning_rate", "1e-3", "--rewards", "answer,brevity", "--max_completion_len",
                     "8", "--num_generations", "3", "--temperature", "1.5", *extra)
 
@@ -96,6 +129,7 @@ def test_a_run_trains_logs_what_a_user_watches_saves_and_resumes_bit_identically
     whole = train(SCRIPT, None, grpo_args(straight, prompts, *common, "--max_steps", "4"), tmp_path)
     metrics = [r for r in metrics_of(straight, RUN) if "loss" in r]
     assert [r["step"] for r in metrics] == [1, 2, 3, 4] and all(set(WATCHED) <= set(r) for r in metrics)
+    assert "tool_calls" not in metrics[0]  # one turn (--max_turns 1): no tool runs, nothing to count
     assert 0 < metrics[0]["reward"] < 2 and metrics[0]["no_signal"] < 1 and metrics[0]["completion_len"] > 0
     assert metrics[0]["kl"] == 0 < metrics[1]["kl"]  # step 1 samples from the reference's own weights; then it moves
     assert "reward " in whole.stdout and " kl " in whole.stdout and "clip_fraction" in whole.stdout
@@ -188,55 +222,64 @@ def test_a_run_says_which_prompts_are_cut_and_counts_them_in_its_metrics(tmp_pat
 
 
 @SLOW
-def test_a_resume_on_the_same_rank_count_is_bit_identical_and_a_changed_reference_is_refused(tmp_path, prompts):
+@pytest.mark.parametrize("tools", [False, True], ids=["one-turn", "with-tools"])
+def test_a_resume_on_the_same_rank_count_is_bit_identical_and_a_changed_reference_is_refused(tmp_path, prompts, tools,
+                                                                                            request):
     # 11 prompts on 2 ranks of 1: 6 steps, the last short; saves every 2 steps, 2 kept.
-    common = ["--batch_size", "1", "--epochs", "1", "--save_interval", "2"]
+    data, flags, reference = run_data(tmp_path, prompts, tools, request)
+    common = ["--batch_size", "1", "--epochs", "1", "--save_interval", "2", *flags]
     straight, split = tmp_path / "straight", tmp_path / "split"
     wandb = ["--logger", "console,file,wandb"]  # the interrupted run only: a tracker changes nothing it trains
-    train(SCRIPT, 2, grpo_args(straight, prompts, *common), tmp_path)
-    train(SCRIPT, 2, grpo_args(split, prompts, *common, *wandb, "--max_steps", "3"), tmp_path, WANDB_DIR=tmp_path)
+    train(SCRIPT, 2, grpo_args(straight, data, *common, reference=reference), tmp_path)
+    train(SCRIPT, 2, grpo_args(split, data, *common, *wandb, "--max_steps", "3", reference=reference), tmp_path,
+          WANDB_DIR=tmp_path)
     first = resume_file(split, RUN)
-    train(SCRIPT, 2, grpo_args(split, prompts, *common, *wandb, "--from_resume", "1"), tmp_path, WANDB_DIR=tmp_path)
+    train(SCRIPT, 2, grpo_args(split, data, *common, *wandb, "--from_resume", "1"), tmp_path, WANDB_DIR=tmp_path)
 
     final = resume_file(split, RUN)
     assert_states_equal(resume_file(straight, RUN), final)
     assert (final["epoch"], final["samples_consumed"], final["global_step"]) == (1, 0, 6)
     assert by_step(trace_of(split), "loss") == by_step(trace_of(straight), "loss")
     assert events_of(split, RUN) == [("resume", 3)] and status_of(split, RUN)["status"] == "completed"
-    assert [{k: r[k] for k in ("step", *WATCHED)} for r in metrics_of(split, RUN) if "reward" in r] == [
-        {k: r[k] for k in ("step", *WATCHED)} for r in metrics_of(straight, RUN) if "reward" in r]
+    watched = ("step", *WATCHED, *(["tool_calls"] if tools else []))
+    assert [{k: r[k] for k in watched} for r in metrics_of(split, RUN) if "reward" in r] == [
+        {k: r[k] for k in watched} for r in metrics_of(straight, RUN) if "reward" in r]
+    if tools:  # before the resume and after it
+        assert_tools_ran_in_most_rollouts(split)
     assert final["tracker_ids"] == first["tracker_ids"] and final["tracker_ids"]["wandb"]  # the same wandb run
     reference = split / "out" / "full_sft_32.pth"
     assert (final["train_args"]["base_sha256"], final["train_args"]["num_generations"],
-            final["train_args"]["rewards"]) == (sha256_of(reference), 3, "answer,brevity")
+            final["train_args"]["rewards"]) == (sha256_of(reference), 3, "answer,brevity" + ",tool" * tools)
 
     write_reference(split / "out", load_tokenizer(DEFAULT_TOKENIZER).get_vocab_size(), seed=1)  # another reference
-    refused = train(SCRIPT, None, grpo_args(split, prompts, *common[:4], "--from_resume", "1"), tmp_path, check=False)
+    refused = train(SCRIPT, None, grpo_args(split, data, *common[:4], *flags, "--from_resume", "1"), tmp_path,
+                    check=False)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
     assert "args.base_sha256: checkpoint has" in refused.stderr
 
 
 @SLOW
-def test_with_tools_a_resume_in_one_process_is_bit_identical_rollouts_included(tmp_path):
-    data = write_jsonl(tmp_path / "tools.jsonl", tool_questions(4))
+def test_with_tools_a_resume_in_one_process_is_bit_identical_rollouts_included(tmp_path, tool_caller):
+    data = write_jsonl(tmp_path / "tools.jsonl", tool_questions(4, CALCULATOR))
     common = ["--batch_size", "2", "--epochs", "1", "--save_interval", "1", *WITH_TOOLS]
     straight, split = tmp_path / "straight", tmp_path / "split"
-    train(SCRIPT, None, grpo_args(straight, data, *common), tmp_path)
-    train(SCRIPT, None, grpo_args(split, data, *common, "--max_steps", "1"), tmp_path)
+    train(SCRIPT, None, grpo_args(straight, data, *common, reference=tool_caller), tmp_path)
+    train(SCRIPT, None, grpo_args(split, data, *common, "--max_steps", "1", reference=tool_caller), tmp_path)
     train(SCRIPT, None, grpo_args(split, data, *common, "--from_resume", "1"), tmp_path)
     assert_states_equal(resume_file(straight, RUN), resume_file(split, RUN))
     assert resume_file(split, RUN)["train_args"]["max_turns"] == 2
     assert by_step(trace_of(split), "loss") == by_step(trace_of(straight), "loss") and len(trace_of(straight)) == 2
-    assert [(r["step"], r["reward"]) for r in metrics_of(split, RUN) if "reward" in r] == [
-        (r["step"], r["reward"]) for r in metrics_of(straight, RUN) if "reward" in r]  # the same rollouts
+    assert [(r["step"], r["reward"], r["tool_calls"]) for r in metrics_of(split, RUN) if "reward" in r] == [
+        (r["step"], r["reward"], r["tool_calls"]) for r in metrics_of(straight, RUN) if "reward" in r]  # the same
+    assert_tools_ran_in_most_rollouts(split)
 
 
 @SLOW
 @pytest.mark.parametrize("tools", [False, True], ids=["one-turn", "with-tools"])
-def test_a_resume_on_two_then_three_then_one_rank_trains_each_prompts_group_once(tmp_path, prompts, tools):
-    # 11 prompts, batch 1: global batches 2, 3 and 1, over 2 epochs; with tools: --max_turns 2, the tools offered.
-    data = write_jsonl(tmp_path / "tools.jsonl", tool_questions(11)) if tools else prompts
-    common = grpo_args(tmp_path, data, "--batch_size", "1", "--epochs", "2", *(WITH_TOOLS if tools else []))
+def test_a_resume_on_two_then_three_then_one_rank_trains_each_prompts_group_once(tmp_path, prompts, tools, request):
+    # 11 prompts, batch 1: global batches 2, 3 and 1, over 2 epochs; with tools: --max_turns 2, the calculator offered.
+    data, flags, reference = run_data(tmp_path, prompts, tools, request)
+    common = grpo_args(tmp_path, data, "--batch_size", "1", "--epochs", "2", *flags, reference=reference)
     train(SCRIPT, 2, [*common, "--max_steps", "3"], tmp_path)
     on_three = train(SCRIPT, 3, [*common, "--max_steps", "3", "--from_resume", "1"], tmp_path)
     assert "saved at step 3: training continues from sample 6 of epoch 1 (world size 2 -> 3, global batch 2 -> 3" \
@@ -247,12 +290,18 @@ def test_a_resume_on_two_then_three_then_one_rank_trains_each_prompts_group_once
     assert_each_sample_once(trace, num_samples=11, epochs=2)  # one sample = one prompt = its group of completions
     final = resume_file(tmp_path, RUN)
     assert (final["epoch"], final["samples_consumed"], final["global_step"]) == (2, 0, 14)
+    if tools:  # the calculator ran on 2, on 3 and on 1 rank
+        assert_tools_ran_in_most_rollouts(tmp_path)
 
 
 @SLOW
-def test_sigterm_saves_exits_zero_and_the_resume_trains_each_prompt_once(tmp_path, prompts):
-    args = grpo_args(tmp_path, prompts, "--batch_size", "1", "--epochs", "2")
+@pytest.mark.parametrize("tools", [False, True], ids=["one-turn", "with-tools"])
+def test_sigterm_saves_exits_zero_and_the_resume_trains_each_prompt_once(tmp_path, prompts, tools, request):
+    data, flags, reference = run_data(tmp_path, prompts, tools, request)
+    args = grpo_args(tmp_path, data, "--batch_size", "1", "--epochs", "2", *flags, reference=reference)
     sigterm_two_ranks_then_resume(SCRIPT, RUN, args, tmp_path)
+    if tools:  # before the stop and after the resume
+        assert_tools_ran_in_most_rollouts(tmp_path)
 
 
 def test_a_reward_that_fails_mid_run_is_one_line_exit_2_and_the_last_checkpoint_stays(tmp_path, prompts, monkeypatch,

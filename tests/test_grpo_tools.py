@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from contextlib import nullcontext
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,19 +19,57 @@ from dataset.chat_format import render_segments
 from dataset.grpo_dataset import GRPODataset
 from dataset.jsonl_file import DataFileError
 from dataset.rewards import reward_functions, score_groups
+from dataset.lm_dataset import SFTDataset
 from dataset.tool_rollouts import check_calls, sample_tool_groups, tool_turn
-from dataset.tools import DEMO_TOOLS, Tool, _spec
+from dataset.tools import DEMO_TOOLS, Tool, _spec, run_tool
 from model.model import CausalLM, LMConfig
 from model.tokenizer import DEFAULT_TOKENIZER, EOS_ID, load_tokenizer
 from test_dpo import TINY, write_jsonl
 
 SYSTEM = {"role": "system", "content": "", "tools": [DEMO_TOOLS["calculator"].spec, DEMO_TOOLS["get_weather"].spec]}
+CALCULATOR = {**SYSTEM, "tools": [DEMO_TOOLS["calculator"].spec]}  # a prompt of some 380 tokens, not 530
 
 
-def tool_questions(count: int) -> list[dict]:
+def tool_questions(count: int, system: dict = SYSTEM) -> list[dict]:
     """`count` prompts offering the demo's tools, "What is i * 7?", with the products as the reference answers."""
-    return [{"conversations": [SYSTEM, {"role": "user", "content": f"What is {i} * 7?"},
+    return [{"conversations": [system, {"role": "user", "content": f"What is {i} * 7?"},
                                {"role": "assistant", "content": str(7 * i)}]} for i in range(count)]
+
+
+def write_tool_caller(out_dir: Path, steps: int = 250) -> Path:
+    """A TINY model's FP16 weights as out_dir/full_sft_32.pth (write_reference's file) that answers tool_questions(11,
+    CALCULATOR) as it was taught by heart: a calculator call, then the product after the real calculator's result.
+    Taught by SFT's own encoding (SFTDataset: the loss on the assistant's turns only) and AdamW on the model's loss,
+    4 conversations a step (some 17 s on 2 busy cores). Sampled at temperature 1 (measured on 99 rollouts): 9 in 10
+    write a call that validates and runs (150 steps: 5 in 10), the others a call with a token gone astray; 1 in 5
+    then answers the product. Real, not scripted, tool use."""
+    conversations = []
+    for i, record in enumerate(tool_questions(11, CALCULATOR)):
+        *question, answer = record["conversations"]
+        arguments = {"expression": f"{i} * 7"}
+        conversations.append({"conversations": [*question, call("calculator", arguments), {
+            "role": "tool", "content": run_tool("calculator", arguments).text}, answer]})
+    tokenizer = load_tokenizer(DEFAULT_TOKENIZER)
+    dataset = SFTDataset(write_jsonl(out_dir / "tool_calls.jsonl", conversations), tokenizer, 480)
+    torch.manual_seed(0)
+    model = CausalLM(LMConfig(vocab_size=tokenizer.get_vocab_size(), **TINY))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-2)
+    # One thread, as the training children (conftest.child_env): on 2 busy cores two threads waited on each other,
+    # 120 s against 11 s.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for step in range(steps):
+            input_ids, labels = map(torch.stack, zip(*(dataset[(4 * step + k) % len(dataset)] for k in range(4))))
+            optimizer.param_groups[0]["lr"] = 2e-2 * (1 - step / steps)  # decayed to 0: a steady end, not a spike
+            model(input_ids, labels=labels).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        torch.set_num_threads(threads)
+    path = out_dir / "full_sft_32.pth"
+    torch.save({name: tensor.half() for name, tensor in model.state_dict().items()}, path)
+    return path
 
 
 class Scripted(CausalLM):
@@ -104,8 +143,9 @@ def test_a_called_tool_runs_its_result_is_appended_as_the_template_renders_it_an
 
     assert texts == [["<think>\n\n</think>\n\n391", "<think>\n\n</think>\n\n390"]]  # the final turns
     assert [[call.problem for call in rollout.calls] for rollout in rollouts[0]] == [[None], [None]]
-    scores, _ = score_groups(dataset.rewards, texts, ["391"], 2, rollouts)
+    scores, watched = score_groups(dataset.rewards, texts, ["391"], 2, rollouts)
     assert scores.tolist() == [[2.0, 1.0]]  # answer 1 + tool 1, then answer 0 + tool 1
+    assert [rollout.ran for rollout in rollouts[0]] == [1, 1] and watched[-1] == 2  # the log line's tool_calls: 1
     # One turn (--max_turns 1's length) or no room for the result: the rollout ends with its call, nothing run
     model.turns = [turn_ids(dataset, calls)]
     assert rollouts_of(dataset, model, max_turns=1)[0].shape == (2, len(ids[:tool_start]))

@@ -119,7 +119,7 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, beta: float, clip_eps: fl
 def step_rollouts(model, micro_batches, train_ds, args, epoch: int, autocast, device):  # grpo
     """The step's rollouts, before any loss (it divides by their tokens): per micro-batch (input_ids, labels,
     advantages); this rank's completion tokens; the numbers a user watches (tracking.watched_metrics)."""
-    done, watched, G = [], torch.zeros(4, dtype=torch.float64), args.num_generations
+    done, watched, G = [], torch.zeros(5, dtype=torch.float64), args.num_generations
     for batch in micro_batches:  # (indices, prompts, their labels) as the loader gives them
         input_ids, labels, texts, rollouts = sample_rollouts(model, batch, train_ds, G, args.max_completion_len,
                                                              args.temperature, args.seed * 1_000_003 + epoch, autocast,
@@ -236,8 +236,8 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
         if log_now:  # step N's line (the last one read): the loss over the global batch, its LR and grad norm
             tracker.log({"epoch": step.epoch, "samples_consumed": at.samples_consumed, "loss": numbers.loss,
                          "lr": step.lr, "grad_norm": numbers.grad_norm,  # grpo: what a user watches, prompts cut
-                         **watched_metrics(watch, args.num_generations), "prompts_cut": train_ds.count_cut(  # grpo
-                             sampler.step_window(s))},  # grpo
+                         **watched_metrics(watch, args.num_generations, tools=args.max_turns > 1),  # grpo
+                         "prompts_cut": train_ds.count_cut(sampler.step_window(s))},  # grpo
                         at.global_step, last_step)
         if validate:
             tracker.validation(at.global_step, validation_loss(unwrap(model), val_ds, args.batch_size,

@@ -43,19 +43,20 @@ PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, 
 # What a save blocks training on, as the save line names it (metrics records: save_wait_s, save_copy_s, ...).
 SAVE_PARTS = {"wait_s": "waiting for the previous write", "copy_s": "copying to CPU memory", "write_s": "writing",
               "other_s": "the state and the ranks' RNG"}
-RL_METRICS = ("reward", "reward_std", "no_signal", "completion_len", "kl", "clip_fraction")
+RL_METRICS = ("reward", "reward_std", "no_signal", "completion_len", "tool_calls", "kl", "clip_fraction")
 WATCHED = ("ce", *RL_METRICS)  # what a stage adds to its log line: GRPO's; distillation's ce and kl (loss_parts)
 
 
-def watched_metrics(watch: torch.Tensor, group_size: int) -> dict:
+def watched_metrics(watch: torch.Tensor, group_size: int, tools: bool = False) -> dict:
     """What a user watches of a step, over all ranks (a collective: every rank logs the same steps): the mean
     reward, the reward's std within a group, the share of groups without signal (all alike), the completion
-    length in tokens, the KL to the reference per token and the share of tokens whose ratio was clipped."""
-    reward_sum, std_sum, no_signal, groups, tokens, kl_sum, clipped = summed(watch)
+    length in tokens, with `tools` the tool calls run per completion, the KL to the reference per token and the
+    share of tokens whose ratio was clipped."""
+    reward_sum, std_sum, no_signal, groups, ran, tokens, kl_sum, clipped = summed(watch)
     groups, completions = max(groups, 1.0), max(groups * group_size, 1.0)
     return {"reward": reward_sum / completions, "reward_std": std_sum / groups, "no_signal": no_signal / groups,
-            "completion_len": tokens / completions, "kl": kl_sum / max(tokens, 1.0),
-            "clip_fraction": clipped / max(tokens, 1.0)}
+            "completion_len": tokens / completions, **({"tool_calls": ran / completions} if tools else {}),
+            "kl": kl_sum / max(tokens, 1.0), "clip_fraction": clipped / max(tokens, 1.0)}
 
 
 def loss_parts(parts: torch.Tensor, local_tokens: torch.Tensor) -> dict:
