@@ -160,17 +160,21 @@ TOOL_NAMES = ["calculator", "get_weather"]  # dataset/tools.py's DEMO_TOOLS, off
 def ask_arithmetic(a: int, op: str, b: int, lang: str) -> list[str]:
     """Phrasings of `a op b`; the last is the eval's."""
     if lang == "en":
-        return [f"Calculate {a} {op} {b}.", f"Work out {a} {op} {b}.", f"What is {a} {op} {b}?"]
-    return [f"计算{a}{op}{b}。", f"算一下{a}{op}{b}。", f"{a}{op}{b}等于多少？"]
+        expression = f"{a} {op} {b}"
+        return [f"Calculate {expression}.", f"Work out {expression}.", f"How much is {expression}?", f"{expression} = ?",
+                f"What is {expression}?"]
+    expression = f"{a}{op}{b}"
+    return [f"计算{expression}。", f"算一下{expression}。", f"{expression}是多少？", f"{expression}等于几？",
+            f"{expression}等于多少？"]
 
 
 def ask_temperature(city: str, city_zh: str, lang: str) -> list[str]:
     """Phrasings of a city's temperature; the last is the eval's. The tool takes the English name. (No 气温:
     the committed tokenizer splits 温 into bytes, tests/test_tokenizer.py.)"""
     if lang == "en":
-        return [f"What is the temperature in {city}?", f"How warm is it in {city}?",
-                f"How many degrees is it in {city} now?"]
-    return [f"{city_zh}有几度？", f"{city_zh}天气几度？", f"{city_zh}是多少度？"]
+        return [f"What is the temperature in {city}?", f"How warm is it in {city}?", f"How hot is it in {city}?",
+                f"Tell me the temperature in {city}.", f"How many degrees is it in {city} now?"]
+    return [f"{city_zh}有几度？", f"{city_zh}天气几度？", f"{city_zh}热不热？", f"请问{city_zh}几度？", f"{city_zh}是多少度？"]
 
 
 def arithmetic(rng: random.Random) -> tuple[int, str, int]:
