@@ -24,6 +24,13 @@ It builds on make_demo_data.py's closed world (scripts/run_demo.sh runs that fir
   not ask about. The answer reward then scores the model on a phrasing it was never taught, and the eval
   (sft_demo_eval.jsonl) stays held out: its questions are the same phrasing about other items, or items no
   stage trains on.
+* tool_sft_demo.jsonl (SFT format, both tools offered in the first system message's "tools", minimind's format):
+  questions a tool answers, asked in the phrasings the eval does not use, the assistant calling the tool, a "tool"
+  message with what dataset/tools.py's function returns, and the answer from it; and questions of SFT's that need
+  no call, answered directly. Arithmetic on numbers too large to know by heart (the calculator, never one of the
+  eval's), a capital's temperature (get_weather).
+* tool_grpo_demo.jsonl (as grpo_demo.jsonl, with the tools in the system message): questions of the same kinds and
+  phrasings, calculations neither tool SFT nor the eval asks, each with its final answer, for the agentic stage.
 * tool_demo_eval.jsonl (eval_tools.py's format): questions offered dataset/tools.py's calculator and weather
   tools, in the phrasing kept for the eval: arithmetic on numbers too large to know by heart (the calculator),
   a capital's temperature (get_weather), and sft_demo_eval.jsonl's questions, which need no call.
@@ -41,7 +48,7 @@ if __package__ in (None, ""):  # run as a file: the repository, not this folder,
 
 from dataset.make_demo_data import (COLOURS, COUNTRIES, SOUNDS, SYSTEM_PROMPTS, TASKS, eval_items, same_kind_answers,
                                     sample_question, split_held_out, write_jsonl)
-from dataset.tools import calculator, get_weather  # the tools' own answers are the tool-use eval's references
+from dataset.tools import DEMO_TOOLS, calculator, get_weather, result_text  # the tools' own answers are the references
 
 # 1. LoRA's new domain: translating words, which pretraining and SFT never asked -----------------
 
@@ -145,7 +152,7 @@ def grpo_prompts(rng: random.Random, held_out: dict[str, set], evaluation: list[
     return prompts
 
 
-# 4. The tool-use eval: questions a tool answers, and questions that need none ----------------------
+# 4. Tool use: SFT conversations that call a tool, GRPO's prompts, and the eval --------------------------
 
 TOOL_NAMES = ["calculator", "get_weather"]  # dataset/tools.py's DEMO_TOOLS, offered to every question
 
@@ -153,16 +160,77 @@ TOOL_NAMES = ["calculator", "get_weather"]  # dataset/tools.py's DEMO_TOOLS, off
 def ask_arithmetic(a: int, op: str, b: int, lang: str) -> list[str]:
     """Phrasings of `a op b`; the last is the eval's."""
     if lang == "en":
-        return [f"Calculate {a} {op} {b}.", f"Work out {a} {op} {b}.", f"What is {a} {op} {b}?"]
-    return [f"计算{a}{op}{b}。", f"算一下{a}{op}{b}。", f"{a}{op}{b}等于多少？"]
+        expression = f"{a} {op} {b}"
+        return [f"Calculate {expression}.", f"Work out {expression}.", f"How much is {expression}?", f"{expression} = ?",
+                f"What is {expression}?"]
+    expression = f"{a}{op}{b}"
+    return [f"计算{expression}。", f"算一下{expression}。", f"{expression}是多少？", f"{expression}等于几？",
+            f"{expression}等于多少？"]
 
 
 def ask_temperature(city: str, city_zh: str, lang: str) -> list[str]:
-    """Phrasings of a city's temperature; the last is the eval's. The tool takes the English name."""
+    """Phrasings of a city's temperature; the last is the eval's. The tool takes the English name. (No 气温:
+    the committed tokenizer splits 温 into bytes, tests/test_tokenizer.py.)"""
     if lang == "en":
-        return [f"What is the temperature in {city}?", f"How warm is it in {city}?",
-                f"How many degrees is it in {city} now?"]
-    return [f"{city_zh}的气温是多少？", f"{city_zh}有几度？", f"{city_zh}是多少度？"]
+        return [f"What is the temperature in {city}?", f"How warm is it in {city}?", f"How hot is it in {city}?",
+                f"Tell me the temperature in {city}.", f"How many degrees is it in {city} now?"]
+    return [f"{city_zh}有几度？", f"{city_zh}天气几度？", f"{city_zh}热不热？", f"请问{city_zh}几度？", f"{city_zh}是多少度？"]
+
+
+def arithmetic(rng: random.Random) -> tuple[int, str, int]:
+    """Numbers too large to know by heart: a three-digit one and a two-digit one."""
+    return rng.randint(12, 999), rng.choice("+-*"), rng.randint(12, 99)
+
+
+def calculation(a: int, op: str, b: int, lang: str = "en") -> tuple[dict, str]:
+    """The calculator's arguments for `a op b`, written as a question in `lang` writes it (a span to copy is easier to
+    learn than a rewriting), and the final answer: its result."""
+    expression = f"{a} {op} {b}" if lang == "en" else f"{a}{op}{b}"
+    return {"expression": expression}, str(calculator(expression)["result"])
+
+
+def weather(city: str) -> tuple[dict, str]:
+    """get_weather's arguments for `city`, and the final answer: its temperature."""
+    return {"city": city}, f"{get_weather(city)['temperature_c']}°C"
+
+
+def tool_conversation(question: str, answer: str, tool: str | None = None, arguments: dict | None = None) -> dict:
+    """Both tools offered (minimind's format: the first system message's "tools"); where `tool` is given, the
+    assistant calls it, a tool message holds what the function returns, and the assistant answers from it."""
+    messages = [{"role": "system", "content": "", "tools": [DEMO_TOOLS[name].spec for name in TOOL_NAMES]},
+                {"role": "user", "content": question}]
+    if tool is not None:
+        messages += [{"role": "assistant", "content": "", "tool_calls": [{"name": tool, "arguments": arguments}]},
+                     {"role": "tool", "content": result_text(DEMO_TOOLS[tool].function(**arguments))}]
+    return {"conversations": messages + [{"role": "assistant", "content": answer}]}
+
+
+def tool_question(rng: random.Random, held_out: dict[str, set], taken: set, phrasing: slice) -> dict:
+    """One conversation of tool_conversation: a calculation (2 in 5; never one in `taken`, to which it is added),
+    a temperature (2 in 5) or a question of SFT's that needs no tool (1 in 5), asked in one of the phrasings
+    `phrasing` picks (the eval keeps the last)."""
+    lang, kind = rng.choice(["en", "zh"]), rng.choice(["calculator"] * 2 + ["weather"] * 2 + ["no_tool"])
+    if kind == "calculator":
+        a, op, b = arithmetic(rng)
+        while f"{a} {op} {b}" in taken:
+            a, op, b = arithmetic(rng)
+        taken.add(f"{a} {op} {b}")
+        arguments, answer = calculation(a, op, b, lang)
+        return tool_conversation(rng.choice(ask_arithmetic(a, op, b, lang)[phrasing]), answer, "calculator", arguments)
+    if kind == "weather":
+        _, _, city, city_zh = rng.choice(COUNTRIES)
+        arguments, answer = weather(city)
+        return tool_conversation(rng.choice(ask_temperature(city, city_zh, lang)[phrasing]), answer, "get_weather",
+                                 arguments)
+    question, answer = sample_question(rng, lang, held_out)  # SFT's phrasings and items
+    return tool_conversation(question, answer)
+
+
+def grpo_prompt(conversation: dict) -> dict:
+    """The system turn with the tools, the question and the final answer (the answer reward's reference): the
+    agentic stage makes the calls itself."""
+    system, question, *_, answer = conversation["conversations"]
+    return {"conversations": [system, question, answer]}
 
 
 def tool_eval_items(rng: random.Random, evaluation: list[dict], per_kind: int = 16) -> list[dict]:
@@ -172,15 +240,16 @@ def tool_eval_items(rng: random.Random, evaluation: list[dict], per_kind: int = 
     for n in range(per_kind):
         lang = ("en", "zh")[n % 2]
         a, b, op = rng.randint(12, 999), rng.randint(12, 99), rng.choice("+-*")
-        expression = f"{a} {op} {b}"
+        arguments, answer = calculation(a, op, b)
         items.append({"conversations": [{"role": "user", "content": ask_arithmetic(a, op, b, lang)[-1]}],
-                      "tools": TOOL_NAMES, "tool": "calculator", "arguments": {"expression": expression},
-                      "answer": str(calculator(expression)["result"]), "task": "calculator", "lang": lang})
+                      "tools": TOOL_NAMES, "tool": "calculator", "arguments": arguments,
+                      "answer": answer, "task": "calculator", "lang": lang})
     for n, (_, _, city, city_zh) in enumerate(rng.sample(COUNTRIES, per_kind)):
         lang = ("en", "zh")[n % 2]
+        arguments, answer = weather(city)
         items.append({"conversations": [{"role": "user", "content": ask_temperature(city, city_zh, lang)[-1]}],
-                      "tools": TOOL_NAMES, "tool": "get_weather", "arguments": {"city": city},
-                      "answer": f"{get_weather(city)['temperature_c']}°C", "task": "weather", "lang": lang})
+                      "tools": TOOL_NAMES, "tool": "get_weather", "arguments": arguments,
+                      "answer": answer, "task": "weather", "lang": lang})
     for record in rng.sample(evaluation, per_kind):
         *prompt, reference = record["conversations"]
         items.append({"conversations": prompt, "tools": TOOL_NAMES, "tool": None, "arguments": None,
@@ -194,6 +263,8 @@ def main() -> None:
     parser.add_argument("--out_dir", type=Path, default=Path(__file__).resolve().parent)
     parser.add_argument("--lora_lines", type=int, default=800)
     parser.add_argument("--dpo_lines", type=int, default=1200)
+    parser.add_argument("--tool_lines", type=int, default=1200)
+    parser.add_argument("--tool_prompts", type=int, default=200)
     parser.add_argument("--eval_phrasing_per_task", type=int, default=20, help="as make_demo_data.py's")
     args = parser.parse_args()
 
@@ -208,6 +279,14 @@ def main() -> None:
     files["dpo_demo_eval.jsonl"] = dpo_eval_pairs(random.Random(f"{args.seed}:dpo_eval"), evaluation)
     files["grpo_demo.jsonl"] = grpo_prompts(random.Random(f"{args.seed}:grpo"), held_out, evaluation)
     files["tool_demo_eval.jsonl"] = tool_eval_items(random.Random(f"{args.seed}:tools"), evaluation)
+    # SFT's and GRPO's calculations are never the eval's nor each other's; the eval keeps its phrasing (the last)
+    taken = {record["arguments"]["expression"] for record in files["tool_demo_eval.jsonl"]
+             if record["tool"] == "calculator"}
+    rng = random.Random(f"{args.seed}:tool_sft")
+    files["tool_sft_demo.jsonl"] = [tool_question(rng, held_out, taken, slice(-1)) for _ in range(args.tool_lines)]
+    rng = random.Random(f"{args.seed}:tool_grpo")
+    files["tool_grpo_demo.jsonl"] = [grpo_prompt(tool_question(rng, held_out, taken, slice(-1)))
+                                     for _ in range(args.tool_prompts)]
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for name, records in files.items():
         write_jsonl(args.out_dir / name, records)

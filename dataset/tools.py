@@ -137,6 +137,12 @@ def argument_problem(tool: Tool, arguments: Any) -> str | None:
     return f"arguments{'/' + where if where else ''}: {error.message}"
 
 
+def result_text(value: Any) -> str:
+    """A tool's result as the model reads it: JSON, non-ASCII kept (the demo's tool-use data writes it the same
+    way). Raises TypeError or ValueError for what is not JSON."""
+    return json.dumps(value, ensure_ascii=False, allow_nan=False)
+
+
 def _call_in_child(connection, function: Callable[..., Any], arguments: dict, max_chars: int) -> None:
     """In the child process: call, and send back ("ok", JSON text), ("refused", message) or ("failed", why)."""
     try:
@@ -148,7 +154,7 @@ def _call_in_child(connection, function: Callable[..., Any], arguments: dict, ma
         connection.send(("failed", f"raised {type(error).__name__}: {error}"))
         return
     try:
-        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+        text = result_text(value)
     except (TypeError, ValueError) as error:
         connection.send(("failed", f"returned {type(value).__name__}, which is not JSON ({error})"))
         return

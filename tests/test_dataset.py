@@ -2,6 +2,7 @@
 
 import json
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,8 +13,9 @@ from torch.utils.data import DataLoader
 
 from dataset.chat_format import render_chat_text
 from dataset.lm_dataset import IGNORE_INDEX, JsonlFile, PretrainDataset, SFTDataset
-from dataset.make_demo_data import TASKS
-from dataset.make_stage_data import ask_translation, dictionary_words
+from dataset.make_demo_data import COUNTRIES, TASKS
+from dataset.make_stage_data import TOOL_NAMES, ask_arithmetic, ask_temperature, ask_translation, dictionary_words
+from dataset.tools import DEMO_TOOLS, WEATHER, result_text
 from model.tokenizer import BOS_ID, EOS_ID, PAD_ID, load_tokenizer
 
 from conftest import REPO
@@ -237,7 +239,7 @@ def test_committed_demo_data_is_what_the_generator_writes(tmp_path):
 
 
 STAGE_FILES = ["lora_demo.jsonl", "lora_demo_eval.jsonl", "dpo_demo.jsonl", "dpo_demo_eval.jsonl", "grpo_demo.jsonl",
-               "tool_demo_eval.jsonl"]
+               "tool_demo_eval.jsonl", "tool_sft_demo.jsonl", "tool_grpo_demo.jsonl"]
 
 
 def test_committed_stage_data_is_what_its_generator_writes(tmp_path):
@@ -287,3 +289,71 @@ def test_grpo_asks_the_phrasing_sft_never_used_about_items_the_eval_does_not_ask
     eval_questions = {r["conversations"][-2]["content"] for r in read_records("sft_demo_eval.jsonl")}
     asked = {c[0]["content"] for c in prompts}
     assert len(asked) == len(prompts) and not asked & sft_questions and not asked & eval_questions
+
+
+def tool_question_kind(conversation: list[dict]) -> str:
+    """calculator, get_weather or no_tool, after checking that a needed call is made with the tool's real result and
+    that the answer is the one that result gives; the question, in a phrasing the tool-use eval never uses."""
+    system, user, *rest = conversation
+    assert system == {"role": "system", "content": "", "tools": [DEMO_TOOLS[name].spec for name in TOOL_NAMES]}
+    question, lang = user["content"], "en" if user["content"].isascii() else "zh"
+    if len(rest) == 1:  # answered directly: a question of SFT's (its phrasings, items SFT may ask)
+        return "no_tool"
+    call, result, answer = rest
+    [called] = call["tool_calls"]
+    value = DEMO_TOOLS[called["name"]].function(**called["arguments"])
+    assert call["content"] == "" and result == {"role": "tool", "content": result_text(value)}
+    if called["name"] == "calculator":
+        a, op, b = called["arguments"]["expression"].replace(" ", "").partition(next(o for o in "+-*" if o in
+                                                                                  called["arguments"]["expression"]))
+        assert question in ask_arithmetic(int(a), op, int(b), lang)[:-1] and answer["content"] == str(value["result"])
+    else:
+        city = called["arguments"]["city"]
+        city_zh = next(zh for _, _, en, zh in COUNTRIES if en == city)
+        assert question in ask_temperature(city, city_zh, lang)[:-1]
+        assert answer["content"] == f"{value['temperature_c']}°C"
+    return called["name"]
+
+
+def test_tool_sft_calls_the_tool_each_question_needs_with_its_real_result_never_in_the_evals_phrasing(tokenizer):
+    """dataset/tool_sft_demo.jsonl: the call, the tool's own result and the answer from it, or a direct answer where
+    no tool is needed; both tools offered in each system turn; never the eval's phrasing (the last) nor its sums;
+    each conversation whole within the demo's --max_seq_len 672 for the stage (scripts/run_demo.sh)."""
+    conversations = [r["conversations"] for r in read_records("tool_sft_demo.jsonl")]
+    kinds = [tool_question_kind(c) for c in conversations]
+    assert {kind: kinds.count(kind) / len(kinds) > 0.15 for kind in kinds} == {
+        "calculator": True, "get_weather": True, "no_tool": True}
+    sft_questions = {m["content"] for r in read_records("sft_demo.jsonl") for m in r["conversations"]
+                     if m["role"] == "user"}
+    assert {c[1]["content"] for c, kind in zip(conversations, kinds) if kind == "no_tool"} <= sft_questions
+    evaluation = read_records("tool_demo_eval.jsonl")
+    asked = {c[1]["content"] for c in conversations}
+    assert not asked & {r["conversations"][-1]["content"] for r in evaluation}
+    dataset = SFTDataset(DATA_DIR / "tool_sft_demo.jsonl", tokenizer, 672)
+    assert all(dataset[i][1][-1] == IGNORE_INDEX for i in range(len(dataset)))  # padding at the end: nothing cut
+
+
+def test_tool_grpo_prompts_end_with_the_answer_and_ask_no_calculation_tool_sft_or_the_eval_asks():
+    """dataset/tool_grpo_demo.jsonl: the system turn with both tools, a question and its final answer (the agentic
+    stage makes the calls); its calculations are neither tool SFT's nor the eval's."""
+    sft = [r["conversations"] for r in read_records("tool_sft_demo.jsonl")]
+    prompts = [r["conversations"] for r in read_records("tool_grpo_demo.jsonl")]
+    assert all(len(c) == 3 and c[0] == sft[0][0] and c[2]["role"] == "assistant" for c in prompts)
+    capitals = {city: (en, DEMO_TOOLS["get_weather"].function(en)) for _, _, en, zh in COUNTRIES for city in (en, zh)}
+    sums, kinds = set(), []
+    for _, question, answer in prompts:
+        numbers = re.search(r"(\d+) ?([-+*]) ?(\d+)", question["content"])
+        city = next((city for city in capitals if city in question["content"]), None)
+        if numbers:
+            expression = " ".join(numbers.groups())
+            sums.add(expression)
+            assert answer["content"] == str(DEMO_TOOLS["calculator"].function(expression)["result"])
+        elif city:
+            assert answer["content"] == f"{capitals[city][1]['temperature_c']}°C"
+        kinds.append("calculator" if numbers else "get_weather" if city else "no_tool")
+    assert {kind: kinds.count(kind) > 20 for kind in kinds} == {"calculator": True, "get_weather": True, "no_tool": True}
+    sft_sums = {c[2]["tool_calls"][0]["arguments"]["expression"] for c in sft
+                if len(c) > 3 and c[2]["tool_calls"][0]["name"] == "calculator"}
+    sft_sums = {" ".join(re.fullmatch(r"(\d+) ?([-+*]) ?(\d+)", e).groups()) for e in sft_sums}
+    eval_sums = {r["arguments"]["expression"] for r in read_records("tool_demo_eval.jsonl") if r["tool"] == "calculator"}
+    assert len(sums) == kinds.count("calculator") and not sums & (sft_sums | eval_sums)
