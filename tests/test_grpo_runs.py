@@ -275,11 +275,13 @@ def test_with_tools_a_resume_in_one_process_is_bit_identical_rollouts_included(t
 
 
 @SLOW
-@pytest.mark.parametrize("tools", [False, True], ids=["one-turn", "with-tools"])
-def test_a_resume_on_two_then_three_then_one_rank_trains_each_prompts_group_once(tmp_path, prompts, tools, request):
+@pytest.mark.parametrize("tools, updates", [(False, []), (True, []), (False, ["--num_iterations", "2"])],
+                         ids=["one-turn", "with-tools", "two-updates-a-batch"])
+def test_a_resume_on_two_then_three_then_one_rank_trains_each_prompts_group_once(tmp_path, prompts, tools, updates,
+                                                                                 request):
     # 11 prompts, batch 1: global batches 2, 3 and 1, over 2 epochs; with tools: --max_turns 2, the calculator offered.
     data, flags, reference = run_data(tmp_path, prompts, tools, request)
-    common = grpo_args(tmp_path, data, "--batch_size", "1", "--epochs", "2", *flags, reference=reference)
+    common = grpo_args(tmp_path, data, "--batch_size", "1", "--epochs", "2", *flags, *updates, reference=reference)
     train(SCRIPT, 2, [*common, "--max_steps", "3"], tmp_path)
     on_three = train(SCRIPT, 3, [*common, "--max_steps", "3", "--from_resume", "1"], tmp_path)
     assert "saved at step 3: training continues from sample 6 of epoch 1 (world size 2 -> 3, global batch 2 -> 3" \
@@ -292,6 +294,8 @@ def test_a_resume_on_two_then_three_then_one_rank_trains_each_prompts_group_once
     assert (final["epoch"], final["samples_consumed"], final["global_step"]) == (2, 0, 14)
     if tools:  # the calculator ran on 2, on 3 and on 1 rank
         assert_tools_ran_in_most_rollouts(tmp_path)
+    if updates:  # each step trained two updates on its rollouts, on 2, 3 and 1 rank: AdamW counted 28
+        assert {int(state["step"]) for state in final["optimizer"]["state"].values()} == {28}
 
 
 @SLOW

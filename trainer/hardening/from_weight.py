@@ -48,6 +48,9 @@ def load_from_weight(args, vocab_size: int, log: Callable[[str], None]) -> Causa
     return model
 
 
+_NOTED: set[Path] = set()  # the files check_tokenizer has said it could not check
+
+
 def check_tokenizer(flag: str, path: Path, tokenizer_path: str, log: Callable[[str], None]) -> None:
     """Refuse weights trained with another tokenizer than `tokenizer_path`: the same ids would stand for other
     text, which a vocabulary of the same size does not show. The .json beside them (checkpoint_io.
@@ -61,6 +64,9 @@ def check_tokenizer(flag: str, path: Path, tokenizer_path: str, log: Callable[[s
                           f"fix or delete it") from None
     recorded = settings.get("tokenizer_vocab_sha256") if isinstance(settings, dict) else None
     if recorded is None:
+        if path in _NOTED:  # DPO and GRPO load --from_weight twice, as the policy and as the reference
+            return
+        _NOTED.add(path)
         log(f"note: {flag}: {path} has no record of the tokenizer it was trained with (no tokenizer_vocab_sha256 "
             f"in {sidecar.name}: an earlier version's or minimind's file); that it is --tokenizer_path's is not "
             f"checked")
