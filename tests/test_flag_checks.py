@@ -185,7 +185,10 @@ def test_under_torchrun_each_rank_prints_the_line_once(tmp_path, pretrain_data):
                    check=False, timeout=120)
     assert result.returncode != 0
     ours = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert ours == ["error: --save_interval 0: must be an integer >= 1 (optimizer steps between checkpoints)"] * 2
+    # Each rank that got as far prints the line once: torchrun stops the other rank as soon as one has failed, so
+    # on a loaded machine the second may be stopped before it has parsed its flags.
+    assert ours in (["error: --save_interval 0: must be an integer >= 1 (optimizer steps between checkpoints)"] * n
+                    for n in (1, 2)), result.stderr
     # torchrun reports the failed ranks with a traceback of its own; none comes from the trainer's code
     frames = ("flag_checks.py", "trainer_utils.py", 'train_pretrain.py", line')
     assert not any(frame in result.stderr for frame in frames)
