@@ -30,6 +30,7 @@ import sys
 from typing import Callable, NamedTuple
 
 import torch
+from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from dataset.json_text import not_a_data_file
@@ -37,6 +38,7 @@ from dataset.jsonl_file import JsonlFile
 from dataset.tool_calls import parse_tool_calls
 from dataset.tools import DEMO_TOOLS, TIME_LIMIT_S, Tool, argument_problem, run_tool
 from eval_model import add_model_flags, answer_from_generation, chat_prompt_ids, generate_text, load_model
+from model.model import CausalLM
 from model.tokenizer import load_tokenizer
 from trainer.trainer_utils import REPO_ROOT
 
@@ -68,6 +70,13 @@ def check_record(record: dict, tools: dict[str, Tool] = DEMO_TOOLS) -> None:
         raise ValueError(f'"tool" {record["tool"]!r} is not among the "tools" offered; null for no call')
     if not isinstance(record.get("answer"), str):
         raise ValueError('needs "answer": the final answer, a string')
+
+
+def read_items(path: str) -> list[dict]:
+    """The items of a --data file, each checked (check_record): a DataFileError (a ValueError) names the file and
+    the line of the first bad one."""
+    source = JsonlFile(path, validate=check_record)
+    return [source.read(i) for i in range(len(source))]
 
 
 def score_item(answer: Answer, record: dict, tools: dict[str, Tool] = DEMO_TOOLS, max_calls: int = 3,
@@ -116,17 +125,44 @@ def item_line(n: int, record: dict, score: ItemScore) -> str:
             f"(expected {record['answer'].strip()!r}): {verdict}" + "".join(f"\n    {note}" for note in score.notes))
 
 
-def totals_line(scores: list[ItemScore]) -> str:
+def totals(scores: list[ItemScore]) -> dict[str, str]:
+    """Each total as "count/total = pct%", by its name: all right, right tool (of the items that need a call),
+    valid arguments (of the calls), no call (of the items that need none), right answer."""
     def share(count: int, total: int) -> str:
         return f"{count}/{total} = {100.0 * count / total:.1f}%" if total else "0/0"
 
     needing = [s for s in scores if s.needs_call]
     free = [s for s in scores if not s.needs_call]
-    return (f"tool-use score: all right {share(sum(s.all_right for s in scores), len(scores))} | right tool "
-            f"{share(sum(s.right_tool for s in needing), len(needing))} | valid arguments "
-            f"{share(sum(s.valid_calls for s in scores), sum(s.calls for s in scores))} of calls | no call where none "
-            f"is needed {share(sum(s.right_tool for s in free), len(free))} | right answer "
-            f"{share(sum(s.right_answer for s in scores), len(scores))}")
+    return {"all right": share(sum(s.all_right for s in scores), len(scores)),
+            "right tool": share(sum(s.right_tool for s in needing), len(needing)),
+            "valid arguments": share(sum(s.valid_calls for s in scores), sum(s.calls for s in scores)),
+            "no call where none is needed": share(sum(s.right_tool for s in free), len(free)),
+            "right answer": share(sum(s.right_answer for s in scores), len(scores))}
+
+
+def totals_line(scores: list[ItemScore]) -> str:
+    return "tool-use score: " + " | ".join(f"{name} {share}" + " of calls" * (name == "valid arguments")
+                                           for name, share in totals(scores).items())
+
+
+def score_model(model: CausalLM, tokenizer: Tokenizer, records: list[dict], max_new_tokens: int = 96,
+                max_calls: int = 3, time_limit_s: float = TIME_LIMIT_S,
+                show: Callable[[str], None] | None = None) -> list[ItemScore]:
+    """Each record scored (score_item) with the model answering greedily; `show` gets each item's line."""
+    positions = model.config.max_position_embeddings
+
+    def answer(messages: list[dict], specs: list[dict]) -> str:
+        prompt_ids = chat_prompt_ids(tokenizer, messages, specs)
+        room = positions - len(prompt_ids)
+        return generate_text(model, tokenizer, prompt_ids, min(max_new_tokens, room)) if room > 0 else ""
+
+    scores = []
+    for n, record in enumerate(tqdm(records, desc="tool use", unit="item", file=sys.stderr, disable=show is None),
+                               start=1):
+        scores.append(score_item(answer, record, DEMO_TOOLS, max_calls, time_limit_s))
+        if show is not None:
+            show(item_line(n, record, scores[-1]))
+    return scores
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,24 +177,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if problem:
             raise ValueError(f"--data {args.data}: {problem}")
-        source = JsonlFile(args.data, validate=check_record)  # a bad line is said before a model is loaded
-        records = [source.read(i) for i in range(len(source))]
+        records = read_items(args.data)  # a bad line is said before a model is loaded
         tokenizer = load_tokenizer(args.tokenizer_path)
         model = load_model(args, tokenizer, torch.device(args.device), log=lambda line: print(line, file=sys.stderr))
     except (OSError, ValueError, RuntimeError) as error:  # a DataFileError is a ValueError
         print(f"error: {error}", file=sys.stderr)
         return 2  # an expected error exits 2, as in eval_model.py
-    positions = model.config.max_position_embeddings
-
-    def answer(messages: list[dict], specs: list[dict]) -> str:
-        prompt_ids = chat_prompt_ids(tokenizer, messages, specs)
-        room = positions - len(prompt_ids)
-        return generate_text(model, tokenizer, prompt_ids, min(args.max_new_tokens, room)) if room > 0 else ""
-
-    scores = []
-    for n, record in enumerate(tqdm(records, desc="tool use", unit="item", file=sys.stderr), start=1):
-        scores.append(score_item(answer, record, DEMO_TOOLS, args.max_calls, args.tool_time_limit))
-        tqdm.write(item_line(n, record, scores[-1]), file=sys.stdout)
+    scores = score_model(model, tokenizer, records, args.max_new_tokens, args.max_calls, args.tool_time_limit,
+                         show=lambda line: tqdm.write(line, file=sys.stdout))
     print(totals_line(scores), flush=True)
     return 0
 

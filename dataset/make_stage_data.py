@@ -25,9 +25,9 @@ It builds on make_demo_data.py's closed world (scripts/run_demo.sh runs that fir
   (sft_demo_eval.jsonl) stays held out: its questions are the same phrasing about other items, or items no
   stage trains on.
 * tool_sft_demo.jsonl (SFT format, both tools offered in the first system message's "tools", minimind's format):
-  questions a tool answers, asked in the phrasings the eval does not use, the assistant calling the tool, a "tool"
-  message with what dataset/tools.py's function returns, and the answer from it; and questions of SFT's that need
-  no call, answered directly. Arithmetic on numbers too large to know by heart (the calculator, never one of the
+  conversations of three questions, each a question a tool answers, asked in the phrasings the eval does not use,
+  the assistant calling the tool, a "tool" message with what dataset/tools.py's function returns, and the answer
+  from it, or a question of SFT's that needs no call, answered directly. Arithmetic on numbers too large to know by heart (the calculator, never one of the
   eval's), a capital's temperature (get_weather).
 * tool_grpo_demo.jsonl (as grpo_demo.jsonl, with the tools in the system message): questions of the same kinds and
   phrasings, calculations neither tool SFT nor the eval asks, each with its final answer, for the agentic stage.
@@ -157,29 +157,52 @@ def grpo_prompts(rng: random.Random, held_out: dict[str, set], evaluation: list[
 TOOL_NAMES = ["calculator", "get_weather"]  # dataset/tools.py's DEMO_TOOLS, offered to every question
 
 
+# Tool SFT's phrasings are built from parts, an opener and a form (36-63 ways per kind and language), so that no single
+# template is learnt by heart: with 4 fixed phrasings the model copied the question's numbers and city into the call
+# on those phrasings only, not on the eval's. The eval keeps its own phrasing (the last), which no combination makes.
+EN_OPENERS = ["", "Please, ", "Hi! ", "Quick question: ", "Can you help? ", "One more: "]
+ZH_OPENERS = ["", "请问", "你好，", "帮我", "请帮我"]  # characters the committed tokenizer keeps whole
+
+
+def composed(openers: list[str], forms: list[str], held_out: str) -> list[str]:
+    """Each opener before each form (the form's first letter a capital where it starts the sentence), then the eval's
+    `held_out` phrasing last."""
+    return [opener + (form if opener.endswith(",") or opener.endswith(", ") else form[0].upper() + form[1:])
+            for opener in openers for form in forms] + [held_out]
+
+
 def ask_arithmetic(a: int, op: str, b: int, lang: str) -> list[str]:
     """Phrasings of `a op b`; the last is the eval's."""
     if lang == "en":
-        expression = f"{a} {op} {b}"
-        return [f"Calculate {expression}.", f"Work out {expression}.", f"How much is {expression}?", f"{expression} = ?",
-                f"What is {expression}?"]
-    expression = f"{a}{op}{b}"
-    return [f"计算{expression}。", f"算一下{expression}。", f"{expression}是多少？", f"{expression}等于几？",
-            f"{expression}等于多少？"]
+        e = f"{a} {op} {b}"
+        return composed(EN_OPENERS, [f"calculate {e}.", f"work out {e}.", f"how much is {e}?", f"{e} = ?",
+                                     f"compute {e}.", f"what do you get for {e}?", f"find {e}.", f"evaluate {e}.",
+                                     f"what's {e}?", f"give me {e}."], f"What is {e}?")
+    e = f"{a}{op}{b}"
+    return composed(ZH_OPENERS, [f"计算{e}。", f"算一下{e}。", f"{e}是多少？", f"{e}等于几？", f"算算{e}。",
+                                 f"{e}=？", f"{e}的数是多少？"], f"{e}等于多少？")
 
 
 def ask_temperature(city: str, city_zh: str, lang: str) -> list[str]:
     """Phrasings of a city's temperature; the last is the eval's. The tool takes the English name. (No 气温:
     the committed tokenizer splits 温 into bytes, tests/test_tokenizer.py.)"""
     if lang == "en":
-        return [f"What is the temperature in {city}?", f"How warm is it in {city}?", f"How hot is it in {city}?",
-                f"Tell me the temperature in {city}.", f"How many degrees is it in {city} now?"]
-    return [f"{city_zh}有几度？", f"{city_zh}天气几度？", f"{city_zh}热不热？", f"请问{city_zh}几度？", f"{city_zh}是多少度？"]
+        c = city
+        return composed(EN_OPENERS, [f"what is the temperature in {c}?", f"how warm is it in {c}?",
+                                     f"how hot is it in {c}?", f"tell me the temperature in {c}.",
+                                     f"how cold is it in {c}?", f"what's the weather like in {c}?",
+                                     f"is it hot in {c} today?", f"the temperature in {c}, please.",
+                                     f"check the weather in {c}."], f"How many degrees is it in {c} now?")
+    c = city_zh
+    return composed(ZH_OPENERS, [f"{c}有几度？", f"{c}天气几度？", f"{c}热不热？", f"{c}冷不冷？", f"{c}天气热不热？",
+                                 f"{c}有多热？", f"{c}的天气几度？"], f"{c}是多少度？")
 
 
 def arithmetic(rng: random.Random) -> tuple[int, str, int]:
-    """Numbers too large to know by heart: a three-digit one and a two-digit one."""
-    return rng.randint(12, 999), rng.choice("+-*"), rng.randint(12, 99)
+    """Numbers too large to know by heart: a three-digit one and a two-digit one, in either order (the eval asks the
+    first with up to three digits, the second with two), so the call copies digits, not a length it learnt."""
+    a, b = rng.randint(12, 999), rng.randint(12, 99)
+    return (a, rng.choice("+-*"), b) if rng.random() < 0.5 else (b, rng.choice("+-*"), a)
 
 
 def calculation(a: int, op: str, b: int, lang: str = "en") -> tuple[dict, str]:
@@ -226,6 +249,14 @@ def tool_question(rng: random.Random, held_out: dict[str, set], taken: set, phra
     return tool_conversation(question, answer)
 
 
+def tool_conversations(rng: random.Random, held_out: dict[str, set], taken: set, questions: int = 3) -> dict:
+    """`questions` of tool_question one after another under one system turn. The tools' offer is some 540 tokens;
+    each question with its call, result and answer some 100 more: three in a sequence teach three times the copying
+    (the question's numbers or city into the call, the tool's result into the answer) for 1.4 times the tokens."""
+    first, *more = [tool_question(rng, held_out, taken, slice(-1))["conversations"] for _ in range(questions)]
+    return {"conversations": first + [message for conversation in more for message in conversation[1:]]}
+
+
 def grpo_prompt(conversation: dict) -> dict:
     """The system turn with the tools, the question and the final answer (the answer reward's reference): the
     agentic stage makes the calls itself."""
@@ -263,7 +294,7 @@ def main() -> None:
     parser.add_argument("--out_dir", type=Path, default=Path(__file__).resolve().parent)
     parser.add_argument("--lora_lines", type=int, default=800)
     parser.add_argument("--dpo_lines", type=int, default=1200)
-    parser.add_argument("--tool_lines", type=int, default=1200)
+    parser.add_argument("--tool_lines", type=int, default=2000)
     parser.add_argument("--tool_prompts", type=int, default=200)
     parser.add_argument("--eval_phrasing_per_task", type=int, default=20, help="as make_demo_data.py's")
     args = parser.parse_args()
@@ -283,7 +314,7 @@ def main() -> None:
     taken = {record["arguments"]["expression"] for record in files["tool_demo_eval.jsonl"]
              if record["tool"] == "calculator"}
     rng = random.Random(f"{args.seed}:tool_sft")
-    files["tool_sft_demo.jsonl"] = [tool_question(rng, held_out, taken, slice(-1)) for _ in range(args.tool_lines)]
+    files["tool_sft_demo.jsonl"] = [tool_conversations(rng, held_out, taken) for _ in range(args.tool_lines)]
     rng = random.Random(f"{args.seed}:tool_grpo")
     files["tool_grpo_demo.jsonl"] = [grpo_prompt(tool_question(rng, held_out, taken, slice(-1)))
                                      for _ in range(args.tool_prompts)]

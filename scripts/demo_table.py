@@ -1,4 +1,4 @@
-"""The demo's before-and-after table: random weights, pretrained, SFT, SFT + LoRA, DPO, GRPO, and two students.
+"""The demo's before-and-after table: random weights, pretrained, SFT, SFT + LoRA, DPO, GRPO, two students; tool use.
 
     python scripts/demo_table.py --hidden_size 128    # after scripts/run_demo.sh has trained its stages
 
@@ -23,6 +23,9 @@ steps and times below the table, the second's including the teacher's forward.
 Below the table, what GRPO optimises, on the same held-out questions: how often an answer sampled as GRPO samples
 them (temperature 1, --samples per question, the answer reward) is right, after SFT and after GRPO, and the
 GRPO run's steps and time (out/grpo_*_status.json).
+Last, a table of tool use (eval_tools.py's totals on dataset/tool_demo_eval.jsonl: questions offered a calculator and
+a weather tool, in a phrasing the tool-use data never used) for the SFT model, then for the SFT model taught to call
+them (out/tool_sft_*.pth), with its run's steps and time.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from dataset.grpo_dataset import GRPODataset, sample_groups
 from dataset.rewards import reward_functions, score_groups
 from eval_choices import pair_logprobs, score_pairs
 from eval_model import add_model_flags, evaluate_exact_match, file_loss, load_model, read_jsonl
+from eval_tools import read_items, score_model, totals
 from model.model import CausalLM
 from model.tokenizer import load_tokenizer
 from trainer.trainer_utils import REPO_ROOT, setup_seed
@@ -126,6 +130,13 @@ def format_table(rows: list[tuple[str, dict]]) -> str:
     return "\n".join(lines)
 
 
+def format_tool_table(rows: list[tuple[str, dict[str, str]]]) -> str:
+    """A markdown table, one line per (name, eval_tools.totals) row."""
+    names = list(rows[0][1])
+    return "\n".join([f"| tool use | {' | '.join(names)} |", "|---" * (len(names) + 1) + "|"]
+                     + [f"| {name} | {' | '.join(shares[n] for n in names)} |" for name, shares in rows])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_flags(p)  # --save_dir, --tokenizer_path, the size flags, --device (--weight is not read)
@@ -135,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval_data", default=str(data / "sft_demo_eval.jsonl"))
     p.add_argument("--lora_eval_data", default=str(data / "lora_demo_eval.jsonl"))
     p.add_argument("--pairs_data", default=str(data / "dpo_demo_eval.jsonl"))
+    p.add_argument("--tool_data", default=str(data / "tool_demo_eval.jsonl"), help="as eval_tools.py's --data")
     p.add_argument("--lora", default="demo", help="the adapter of the 'SFT + LoRA' row: out/lora_{NAME}_{hidden}.pth")
     p.add_argument("--max_seq_len", type=int, default=128, help="for the bits per byte: the demo's pretraining one")
     # 16, not eval_model.py's 64: the demo's longest right answer, with its empty think block and end tag, is 8
@@ -148,14 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731 (stdout carries the table only)
     try:
-        pretrained, sft, dpo, grpo, student_sft, student_distill = [
+        pretrained, sft, dpo, grpo, student_sft, student_distill, tool_sft = [
             load_model(argparse.Namespace(**{**vars(args), "weight": weight, "lora": None, **layers}), tokenizer,
                        device, log)
             for weight, layers in (("pretrain", {}), ("full_sft", {}), ("dpo", {}), ("grpo", {}),
-                                   ("student_sft", STUDENT), ("student_distill", STUDENT))]
+                                   ("student_sft", STUDENT), ("student_distill", STUDENT), ("tool_sft", {}))]
         hidden = grpo.config.hidden_size
-        grpo_time, sft_time, distill_time = (run_time(args.save_dir, f"{run}_{hidden}")
-                                             for run in ("grpo", "student_sft", "student_distill"))
+        grpo_time, sft_time, distill_time, tool_sft_time = (
+            run_time(args.save_dir, f"{run}_{hidden}") for run in ("grpo", "student_sft", "student_distill", "tool_sft"))
         lora = load_model(argparse.Namespace(**{**vars(args), "weight": "full_sft"}), tokenizer, device, log)
     except (FileNotFoundError, RuntimeError) as error:
         print(f"error: {error}; run the demo's training stages first (bash scripts/run_demo.sh)", file=sys.stderr)
@@ -182,6 +194,13 @@ def main(argv: list[str] | None = None) -> int:
                      for model in (sft, grpo))
     print(f"(after GRPO, {grpo_time}: answers sampled at temperature 1, {args.samples} per held-out question, are "
           f"right {100 * after:.1f} % of the time, against {100 * before:.1f} % after SFT)", flush=True)
+    tool_items = read_items(args.tool_data)
+    # The SFT model first: offered the tools' ~540 tokens it has never seen, what it scores without tool data.
+    tool_rows = [("after SFT (no tool data)", sft), (f"after tool SFT (from SFT), {tool_sft_time}", tool_sft)]
+    print("\n" + format_tool_table([(name, totals(score_model(model, tokenizer, tool_items)))
+                                    for name, model in tool_rows]), flush=True)
+    print(f"({len(tool_items)} held-out questions, offered both tools: {sum(bool(item['tool']) for item in tool_items)} "
+          f"need a call, the others none)", flush=True)
     return 0
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole pipeline on a laptop-class CPU in a few minutes:
-#   demo data -> pretrain -> SFT -> LoRA -> DPO -> GRPO -> distillation -> before-and-after table -> chat -> curves.
+#   demo data -> pretrain -> SFT -> LoRA -> DPO -> GRPO -> distillation -> tool use -> before-and-after table -> chat
+#   -> curves.
 # Sizes are small on purpose (a ~1M-parameter model, 0.59M with --quick); the flags are the same on a GPU.
 #
 #   bash scripts/run_demo.sh                  # 4 layers, 2 epochs of pretraining and 2 of SFT: 9 min 20 s on a quiet 2-core CPU
@@ -111,15 +112,28 @@ python trainer/train_distillation.py "${STUDENT[@]}" --teacher_weight full_sft -
     --alpha 0.5 --temperature 1 --max_seq_len 192 --batch_size 32 --learning_rate 1e-3 --epochs "$sft_epochs" --log_interval 50 --save_interval 200
 stop_if_stopped student_distill_128
 
-echo "== 8. before and after: random weights, pretrained, SFT, SFT + LoRA, DPO, GRPO, the students on held-out data (scripts/demo_table.py)"
+# Tool use: SFT's model taught to call dataset/tools.py's calculator and weather tool (dataset/tool_sft_demo.jsonl:
+# the call, the tool's real result, the answer from it; and questions that need no call). Both tools are offered in
+# the system turn, about 540 tokens; three questions follow it in each conversation (more copying per token), so its
+# sequences hold 960 tokens. Scored on questions in a phrasing its data never used (eval_tools.py on
+# dataset/tool_demo_eval.jsonl). One epoch, 250 steps: the copying of the question's numbers into the call shows only
+# from some 200 steps on (125 steps: 2 of 48 all right; 250: 9; 500: 20). Its own weight name: the rows of the stages
+# above stay as they were.
+echo "== 8. tool use: out/full_sft_128.pth taught to call a calculator and a weather tool, scored on a phrasing it never saw"
+python trainer/train_full_sft.py "${SIZE[@]}" --from_weight full_sft --save_weight tool_sft --data_path dataset/tool_sft_demo.jsonl \
+    --max_seq_len 960 --batch_size 8 --learning_rate 2e-3 --epochs 1 --log_interval 25 --save_interval 200
+stop_if_stopped tool_sft_128
+python eval_tools.py --weight tool_sft "${SIZE[@]}"
+
+echo "== 9. before and after: random weights, pretrained, SFT, SFT + LoRA, DPO, GRPO, the students, tool use on held-out data (scripts/demo_table.py)"
 python scripts/demo_table.py "${SIZE[@]}"
 
-echo "== 9. chat"
+echo "== 10. chat"
 python eval_model.py --weight full_sft "${SIZE[@]}" --prompt "What is the capital of France?"
 python eval_model.py --weight full_sft "${SIZE[@]}" --prompt "3加4等于几？"
 python eval_model.py --weight full_sft --lora demo "${SIZE[@]}" --prompt "What is Paris in Chinese?"
 
-echo "== 10. curves: pretraining's loss, GRPO's reward"
+echo "== 11. curves: pretraining's loss, GRPO's reward"
 python scripts/plot_metrics.py out/pretrain_128_metrics.jsonl -o out/pretrain_128_curves.png
 python scripts/plot_metrics.py out/grpo_128_metrics.jsonl -o out/grpo_128_curves.png
 echo "== done in $((SECONDS / 60)) min $((SECONDS % 60)) s; the curves: out/pretrain_128_curves.png, out/grpo_128_curves.png"

@@ -291,6 +291,13 @@ def test_grpo_asks_the_phrasing_sft_never_used_about_items_the_eval_does_not_ask
     assert len(asked) == len(prompts) and not asked & sft_questions and not asked & eval_questions
 
 
+def questions_of(conversation: list[dict]) -> list[list[dict]]:
+    """A tool SFT conversation cut into its questions, each under the conversation's system turn."""
+    system, *messages = conversation
+    starts = [n for n, message in enumerate(messages) if message["role"] == "user"] + [len(messages)]
+    return [[system, *messages[start:end]] for start, end in zip(starts, starts[1:])]
+
+
 def tool_question_kind(conversation: list[dict]) -> str:
     """calculator, get_weather or no_tool, after checking that a needed call is made with the tool's real result and
     that the answer is the one that result gives; the question, in a phrasing the tool-use eval never uses."""
@@ -316,20 +323,23 @@ def tool_question_kind(conversation: list[dict]) -> str:
 
 
 def test_tool_sft_calls_the_tool_each_question_needs_with_its_real_result_never_in_the_evals_phrasing(tokenizer):
-    """dataset/tool_sft_demo.jsonl: the call, the tool's own result and the answer from it, or a direct answer where
-    no tool is needed; both tools offered in each system turn; never the eval's phrasing (the last) nor its sums;
-    each conversation whole within the demo's --max_seq_len 672 for the stage (scripts/run_demo.sh)."""
+    """dataset/tool_sft_demo.jsonl: three questions a conversation, each with the call, the tool's own result and the
+    answer from it, or a direct answer where no tool is needed; both tools offered in each system turn; never the
+    eval's phrasing (the last) nor its sums; each conversation whole within --max_seq_len 960."""
     conversations = [r["conversations"] for r in read_records("tool_sft_demo.jsonl")]
-    kinds = [tool_question_kind(c) for c in conversations]
+    questions = [question for c in conversations for question in questions_of(c)]
+    assert len(questions) == 3 * len(conversations)
+    kinds = [tool_question_kind(q) for q in questions]
     assert {kind: kinds.count(kind) / len(kinds) > 0.15 for kind in kinds} == {
         "calculator": True, "get_weather": True, "no_tool": True}
     sft_questions = {m["content"] for r in read_records("sft_demo.jsonl") for m in r["conversations"]
                      if m["role"] == "user"}
-    assert {c[1]["content"] for c, kind in zip(conversations, kinds) if kind == "no_tool"} <= sft_questions
+    assert {q[1]["content"] for q, kind in zip(questions, kinds) if kind == "no_tool"} <= sft_questions
     evaluation = read_records("tool_demo_eval.jsonl")
-    asked = {c[1]["content"] for c in conversations}
+    asked = {q[1]["content"] for q in questions}
     assert not asked & {r["conversations"][-1]["content"] for r in evaluation}
-    dataset = SFTDataset(DATA_DIR / "tool_sft_demo.jsonl", tokenizer, 672)
+    assert len({q[1]["content"] for q, kind in zip(questions, kinds) if kind == "calculator"}) > 2000  # many forms
+    dataset = SFTDataset(DATA_DIR / "tool_sft_demo.jsonl", tokenizer, 960)
     assert all(dataset[i][1][-1] == IGNORE_INDEX for i in range(len(dataset)))  # padding at the end: nothing cut
 
 
@@ -352,8 +362,8 @@ def test_tool_grpo_prompts_end_with_the_answer_and_ask_no_calculation_tool_sft_o
             assert answer["content"] == f"{capitals[city][1]['temperature_c']}°C"
         kinds.append("calculator" if numbers else "get_weather" if city else "no_tool")
     assert {kind: kinds.count(kind) > 20 for kind in kinds} == {"calculator": True, "get_weather": True, "no_tool": True}
-    sft_sums = {c[2]["tool_calls"][0]["arguments"]["expression"] for c in sft
-                if len(c) > 3 and c[2]["tool_calls"][0]["name"] == "calculator"}
+    sft_sums = {q[2]["tool_calls"][0]["arguments"]["expression"] for c in sft for q in questions_of(c)
+                if len(q) > 3 and q[2]["tool_calls"][0]["name"] == "calculator"}
     sft_sums = {" ".join(re.fullmatch(r"(\d+) ?([-+*]) ?(\d+)", e).groups()) for e in sft_sums}
     eval_sums = {r["arguments"]["expression"] for r in read_records("tool_demo_eval.jsonl") if r["tool"] == "calculator"}
     assert len(sums) == kinds.count("calculator") and not sums & (sft_sums | eval_sums)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import eval_model
+import eval_tools
 from conftest import REPO, TINY_MODEL, assert_exit_code, child_env, launch_command, run_args, slice_jsonl
 from dataset.dpo_dataset import DPODataset
 from eval_choices import choice_loglikelihoods, pair_logprobs, read_choice_items, score_choices, score_pairs
@@ -51,15 +52,25 @@ def run(tmp_path_factory):
     conversations = slice_jsonl(REPO / "dataset" / "sft_demo.jsonl", root / "sft.jsonl", 4)
     student = [*TINY_MODEL[:TINY_MODEL.index("--num_hidden_layers") + 1], "1",
                *TINY_MODEL[TINY_MODEL.index("--num_hidden_layers") + 2:]]
-    for script, weight in (("train_full_sft.py", "student_sft"), ("train_distillation.py", "student_distill")):
-        args = run_args(root, conversations, "--batch_size", "4", "--max_steps", "1", "--from_weight", "none",
+    # and tool use: a real step of SFT on the tool conversations from full_sft_32 (960 tokens hold them, as in the demo)
+    tool_conversations = slice_jsonl(REPO / "dataset" / "tool_sft_demo.jsonl", root / "tool_sft.jsonl", 2)
+    for script, weight, data, size, start in (
+            ("train_full_sft.py", "student_sft", conversations, student, "none"),
+            ("train_distillation.py", "student_distill", conversations, student, "none"),
+            ("train_full_sft.py", "tool_sft", tool_conversations, [*TINY_MODEL, "--max_seq_len", "960"], "full_sft")):
+        args = run_args(root, data, "--batch_size", "2", "--max_steps", "1", "--from_weight", start,
                         "--save_weight", weight)
         args[args.index("--metrics_dir") + 1] = str(root / "out")
         args[args.index("--save_debug_train_output") + 1] = str(root / f"{weight}_trace.jsonl")
-        result = subprocess.run(launch_command(script, None, [*student, *args]), cwd=root, env=child_env(),
+        result = subprocess.run(launch_command(script, None, [*size, *args]), cwd=root, env=child_env(),
                                 capture_output=True, text=True, timeout=300)
         assert_exit_code(result)
     return root
+
+
+def before_the_tool_table(out: str) -> list[str]:
+    """The lines printed before the tool-use table, which comes last."""
+    return out.split("\n\n| tool use |")[0].splitlines()
 
 
 def load(root, weight: str):
@@ -87,9 +98,9 @@ def test_the_table_has_one_row_per_model_with_its_scores_on_the_given_files(run,
     pairs = slice_jsonl(REPO / "dataset" / "dpo_demo_eval.jsonl", tmp_path / "pairs.jsonl", 5)
     argv = [*SIZE_FLAGS, "--save_dir", str(run / "out"), "--device", "cpu", "--val_data", str(val),
             "--mc_data", str(mc), "--eval_data", str(em), "--lora_eval_data", str(domain), "--pairs_data", str(pairs),
-            "--max_new_tokens", "4"]
+            "--max_new_tokens", "4", "--tool_data", str(tool_items(tmp_path))]
     assert demo_table.main(argv) == 0
-    lines = capsys.readouterr().out.splitlines()
+    lines = before_the_tool_table(capsys.readouterr().out)
     rows = [line for line in lines if line.startswith("| ") and not line.startswith("| weights")]
     assert [row.split(" | ")[0] for row in rows] == ["| random weights", "| after pretraining", "| after SFT",
                                                      "| SFT + LoRA", "| after DPO (from SFT)", "| after GRPO (from SFT)",
@@ -133,7 +144,7 @@ def test_grpos_line_gives_its_run_and_how_often_sampled_answers_are_right_before
     assert demo_table.main([*SIZE_FLAGS, "--save_dir", str(run / "out"), "--device", "cpu", "--eval_data", str(em),
                             "--max_new_tokens", "4", "--samples", "4", *small_files(tmp_path)]) == 0
     seconds = status["updated"] - status["started"]
-    assert capsys.readouterr().out.splitlines()[-1] == (
+    assert before_the_tool_table(capsys.readouterr().out)[-1] == (
         f"(after GRPO, 1 step in {seconds:.0f} s: answers sampled at temperature 1, 4 per held-out question, are "
         f"right {100 * right[1]:.1f} % of the time, against {100 * right[0]:.1f} % after SFT)")
 
@@ -143,7 +154,37 @@ def small_files(tmp_path) -> list[str]:
     files = {"--val_data": "val_demo.jsonl", "--mc_data": "mc_demo.jsonl", "--lora_eval_data": "lora_demo_eval.jsonl",
              "--pairs_data": "dpo_demo_eval.jsonl"}
     return [part for flag, name in files.items()
-            for part in (flag, str(slice_jsonl(REPO / "dataset" / name, tmp_path / name, 2)))]
+            for part in (flag, str(slice_jsonl(REPO / "dataset" / name, tmp_path / name, 2)))] + \
+        ["--tool_data", str(tool_items(tmp_path))]
+
+
+def tool_items(tmp_path):
+    """Three of the tool-use eval's items: one of each kind (a calculation, a temperature, no tool needed)."""
+    lines = (REPO / "dataset" / "tool_demo_eval.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
+    path = tmp_path / "tool_items.jsonl"
+    path.write_text("".join(lines[::16]), encoding="utf-8")
+    return path
+
+
+def test_the_tool_use_table_gives_eval_tools_totals_for_sft_then_the_tool_sft_model_with_its_run(run, tmp_path,
+                                                                                                  capsys):
+    """Last, a table of eval_tools.py's totals for the SFT model, then for out/tool_sft_*.pth (trained from it), named
+    with the run's steps and time from its status file; the same totals eval_tools.py prints for each model."""
+    items = tool_items(tmp_path)
+    assert demo_table.main([*SIZE_FLAGS, "--save_dir", str(run / "out"), "--device", "cpu", "--max_new_tokens", "4",
+                            "--samples", "2", *small_files(tmp_path)]) == 0
+    table = capsys.readouterr().out.split("\n\n| tool use |")[1].splitlines()
+    status = json.loads((run / "out" / "tool_sft_32_status.json").read_text())
+    model, tokenizer = load(run, "tool_sft"), load_tokenizer(REPO / "model" / "tokenizer.json")
+    assert any(not torch.equal(a, b) for a, b in zip(load(run, "full_sft").state_dict().values(),
+                                                     model.state_dict().values()))  # a step was trained
+    before, after = (eval_tools.totals(eval_tools.score_model(m, tokenizer, eval_tools.read_items(items)))
+                     for m in (load(run, "full_sft"), model))
+    assert table[0] == " all right | right tool | valid arguments | no call where none is needed | right answer |"
+    assert table[2] == "| after SFT (no tool data) | " + " | ".join(before.values()) + " |"
+    assert table[3] == (f"| after tool SFT (from SFT), 1 step in {status['updated'] - status['started']:.0f} s | "
+                        + " | ".join(after.values()) + " |")
+    assert table[4] == "(3 held-out questions, offered both tools: 2 need a call, the others none)"
 
 
 def test_a_missing_stage_is_named_with_what_to_run(tmp_path, capsys):

@@ -62,7 +62,7 @@ def pins(path: str) -> dict[str, str]:
 
 def test_every_stage_of_the_demo_imports_with_only_the_demo_requirements():
     scripts = demo_scripts()
-    assert len(scripts) == 11, scripts  # data (2), six training stages, the table, chat, the curves
+    assert len(scripts) == 12, scripts  # data (2), six training stages, the tool-use score, the table, chat, curves
     result = subprocess.run([sys.executable, "-c", HIDE_AND_IMPORT, *scripts], cwd=REPO, env=child_env(),
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
