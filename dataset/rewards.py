@@ -12,8 +12,9 @@ called with a third argument, `rollouts`: per completion a dataset/tool_rollouts
 turn, and each call it made with the problem that kept it from validating, or None):
 
     def my_tool_reward(completions: list[str], answers: list[str | None], rollouts: list[Rollout]) -> list[float]: ...
- `score` calls them and refuses, in one line naming the function, one that raises, returns a
-value that is not a finite number, or the wrong count: the step is not applied (the loop stops before it).
+
+`score` calls them and refuses, in one line naming the function, one that raises, returns a value that is not a
+finite number, or the wrong count: the step is not applied (the loop stops before it).
 """
 
 from __future__ import annotations
@@ -125,10 +126,9 @@ def score(functions: dict[str, Callable], completions: list[str], answers: list[
 def score_groups(functions: dict[str, Callable], groups: list[list[str] | None], answers: list[str | None],
                  group_size: int, rollouts: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """[prompts, G] rewards of each prompt's group of completions (None: the loader's placeholder, zeros; `rollouts`:
-    each group's Rollouts, with tools), and what
-    a user watches of them: [reward sum, in-group std sum, groups without signal (all alike), groups, tool calls that
-    ran]. Every rank calls it once per micro-step (as many on each), so a reward that fails on one rank stops them
-    all here."""
+    each group's Rollouts, with tools), and what a user watches of them: [reward sum, in-group std sum, groups
+    without signal (all alike), groups, tool calls that ran]. Every rank calls it once per micro-step (as many on
+    each), so a reward that fails on one rank stops them all here."""
     error, scores = None, torch.zeros(len(groups), group_size, dtype=torch.float64)
     try:
         rollouts = rollouts or [None] * len(groups)

@@ -131,15 +131,14 @@ def step_rollouts(model, micro_batches, train_ds, args, epoch: int, autocast, de
     return done, local_tokens, torch.cat([watched.to(device), local_tokens[None], local_tokens.new_zeros(2)])
 
 
-def completion_losses(model, ref_model, input_ids, labels, advantages, args, watch, old_logps=None):  # grpo
+def completion_losses(model, ref_model, input_ids, labels, advantages, args, watch, old=None, ref=None):  # grpo
     """GRPO's loss per completion token, weighted (0 elsewhere), the aux loss; adds the KL sum, clipped tokens to
-    watch[-2:]. old_logps: pi_old's (sampling_logps); None: these weights', detached."""
+    watch[-2:]. old, ref: pi_old's and the reference's log-probabilities (sampling_logps); None: computed here."""
     out = model(input_ids, labels=labels, loss_reduction="none")  # out.loss at t: -log p of token t + 1
-    ref_logps = -ref_model(input_ids, labels=labels, loss_reduction="none").loss  # frozen weights: no graph kept
+    ref_logps = -ref_model(input_ids, labels=labels, loss_reduction="none").loss if ref is None else ref  # frozen
     mask = torch.nn.functional.pad(labels[:, 1:] != -100, (0, 1)).float()  # the completion's tokens, as out.loss
-    old_logps = -out.loss.detach() if old_logps is None else old_logps  # one update: the sampling policy is this one
-    losses, kl, clipped = grpo_loss(-out.loss, old_logps, ref_logps, advantages, args.beta, args.clip_eps,
-                                    args.loss_type)
+    old = -out.loss.detach() if old is None else old  # one update: the sampling policy is this one
+    losses, kl, clipped = grpo_loss(-out.loss, old, ref_logps, advantages, args.beta, args.clip_eps, args.loss_type)
     watch[-2:] += torch.stack([(kl * mask).sum(), (clipped * mask).sum()]).detach().double()
     return losses * token_weights(mask, args.loss_type), out.aux_loss
 
@@ -150,13 +149,14 @@ def token_weights(mask: torch.Tensor, loss_type: str) -> torch.Tensor:  # grpo
     return mask / mask.sum(dim=1, keepdim=True).clamp(min=1.0) if loss_type == "grpo" else mask
 
 
-def sampling_logps(model, rollouts, args, autocast) -> list:  # grpo
-    """pi_old: per micro-batch, the log-probabilities of the weights that sampled, before the first update, with no
-    graph. One update: None (completion_losses takes the current ones, detached: the same, one forward less)."""
+def sampling_logps(model, ref_model, rollouts, args, autocast) -> list:  # grpo
+    """Per micro-batch (pi_old's, the reference's) log-probabilities, before the first update, once for all mu, with
+    no graph. One update: (None, None): completion_losses takes them, the same values, one forward less."""
     if args.num_iterations == 1:
-        return [None] * len(rollouts)
+        return [(None, None)] * len(rollouts)
     with torch.no_grad(), autocast:
-        return [-model(input_ids, labels=labels, loss_reduction="none").loss for input_ids, labels, _ in rollouts]
+        return [(-model(input_ids, labels=labels, loss_reduction="none").loss,
+                 -ref_model(input_ids, labels=labels, loss_reduction="none").loss) for input_ids, labels, _ in rollouts]
 
 
 def loss_denominator(rollouts, local_tokens: torch.Tensor, loss_type: str) -> torch.Tensor:  # grpo
@@ -195,14 +195,14 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
         global_tokens = sum_over_ranks(loss_denominator(on_device, local_tokens, args.loss_type))  # grpo
         loss_scale = world_size / global_tokens.clamp(min=1.0)  # x world_size: DDP averages over ranks
         loss_sum = torch.zeros((), dtype=torch.float64, device=dist_info.device)
-        old_logps, norms = sampling_logps(unwrap(model), on_device, args, autocast), []  # grpo: pi_old, first
+        before, norms = sampling_logps(unwrap(model), ref_model, on_device, args, autocast), []  # grpo: pi_old, ref
         for _ in range(args.num_iterations):  # grpo: mu updates on these rollouts; pi moves away from pi_old
             for i, rollout in enumerate(on_device):  # grpo: (input_ids, labels, advantages)
                 # Only the last micro-step all-reduces the gradients; the others just accumulate.  # grpo
                 with no_sync(model, accumulate_only=i < len(on_device) - 1):  # grpo
                     with autocast:  # grpo
                         losses, aux_loss = completion_losses(model, ref_model, *rollout, args, watch,  # grpo
-                                                             old_logps[i])  # grpo
+                                                             *before[i])  # grpo: pi_old's, the reference's
                         loss = losses.sum() * loss_scale + aux_loss / len(on_device)  # grpo: MoE's, per micro-batch
                     scaler.scale(loss).backward()  # grpo
                 loss_sum += losses.detach().sum().double()  # grpo
