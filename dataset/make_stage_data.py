@@ -29,8 +29,9 @@ It builds on make_demo_data.py's closed world (scripts/run_demo.sh runs that fir
   the assistant calling the tool, a "tool" message with what dataset/tools.py's function returns, and the answer
   from it, or a question of SFT's that needs no call, answered directly. Arithmetic on numbers too large to know by heart (the calculator, never one of the
   eval's), a capital's temperature (get_weather).
-* tool_grpo_demo.jsonl (as grpo_demo.jsonl, with the tools in the system message): questions of the same kinds and
-  phrasings, calculations neither tool SFT nor the eval asks, each with its final answer, for the agentic stage.
+* tool_grpo_demo.jsonl (as grpo_demo.jsonl, with the tools in the system message): questions of the same kinds in the
+  eval's phrasing, about what the eval does not ask (calculations neither tool SFT nor the eval asks, a temperature in
+  the other language, grpo_demo.jsonl's questions), each with its final answer, for the agentic stage.
 * tool_demo_eval.jsonl (eval_tools.py's format): questions offered dataset/tools.py's calculator and weather
   tools, in the phrasing kept for the eval: arithmetic on numbers too large to know by heart (the calculator),
   a capital's temperature (get_weather), and sft_demo_eval.jsonl's questions, which need no call.
@@ -257,11 +258,30 @@ def tool_conversations(rng: random.Random, held_out: dict[str, set], taken: set,
     return {"conversations": first + [message for conversation in more for message in conversation[1:]]}
 
 
-def grpo_prompt(conversation: dict) -> dict:
-    """The system turn with the tools, the question and the final answer (the answer reward's reference): the
-    agentic stage makes the calls itself."""
-    system, question, *_, answer = conversation["conversations"]
-    return {"conversations": [system, question, answer]}
+def tool_grpo_prompts(rng: random.Random, count: int, taken: set, tool_eval: list[dict], grpo: list[dict]) -> list[dict]:
+    """`count` prompts for agentic GRPO, each the system turn with both tools, a question and its final answer (the
+    answer reward's reference; the stage makes the calls itself). As grpo_prompts: the eval's phrasing, about what the
+    eval does not ask. A calculation (2 in 5) neither tool SFT nor the eval asks (`taken`, to which it is added); a
+    capital's temperature (2 in 5) in the language the eval does not ask it in; one of `grpo`'s questions (1 in 5)."""
+    asked = {(record["arguments"]["city"], record["lang"]) for record in tool_eval if record["tool"] == "get_weather"}
+    cities = [(city, city_zh, lang) for _, _, city, city_zh in COUNTRIES for lang in ("en", "zh")
+              if (city, lang) not in asked]
+    prompts = []
+    for _ in range(count):
+        lang, kind = rng.choice(["en", "zh"]), rng.choice(["calculator"] * 2 + ["weather"] * 2 + ["no_tool"])
+        if kind == "calculator":
+            a, op, b = arithmetic(rng)
+            while f"{a} {op} {b}" in taken:
+                a, op, b = arithmetic(rng)
+            taken.add(f"{a} {op} {b}")
+            question, answer = ask_arithmetic(a, op, b, lang)[-1], calculation(a, op, b, lang)[1]
+        elif kind == "weather":
+            city, city_zh, lang = rng.choice(cities)
+            question, answer = ask_temperature(city, city_zh, lang)[-1], weather(city)[1]
+        else:
+            (question, answer) = (message["content"] for message in rng.choice(grpo)["conversations"])
+        prompts.append(tool_conversation(question, answer))
+    return prompts
 
 
 def tool_eval_items(rng: random.Random, evaluation: list[dict], per_kind: int = 16) -> list[dict]:
@@ -295,7 +315,7 @@ def main() -> None:
     parser.add_argument("--lora_lines", type=int, default=800)
     parser.add_argument("--dpo_lines", type=int, default=1200)
     parser.add_argument("--tool_lines", type=int, default=2000)
-    parser.add_argument("--tool_prompts", type=int, default=200)
+    parser.add_argument("--tool_prompts", type=int, default=128)
     parser.add_argument("--eval_phrasing_per_task", type=int, default=20, help="as make_demo_data.py's")
     args = parser.parse_args()
 
@@ -315,9 +335,8 @@ def main() -> None:
              if record["tool"] == "calculator"}
     rng = random.Random(f"{args.seed}:tool_sft")
     files["tool_sft_demo.jsonl"] = [tool_conversations(rng, held_out, taken) for _ in range(args.tool_lines)]
-    rng = random.Random(f"{args.seed}:tool_grpo")
-    files["tool_grpo_demo.jsonl"] = [grpo_prompt(tool_question(rng, held_out, taken, slice(-1)))
-                                     for _ in range(args.tool_prompts)]
+    files["tool_grpo_demo.jsonl"] = tool_grpo_prompts(random.Random(f"{args.seed}:tool_grpo"), args.tool_prompts, taken,
+                                                      files["tool_demo_eval.jsonl"], files["grpo_demo.jsonl"])
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for name, records in files.items():
         write_jsonl(args.out_dir / name, records)

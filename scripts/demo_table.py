@@ -24,8 +24,8 @@ Below the table, what GRPO optimises, on the same held-out questions: how often 
 them (temperature 1, --samples per question, the answer reward) is right, after SFT and after GRPO, and the
 GRPO run's steps and time (out/grpo_*_status.json).
 Last, a table of tool use (eval_tools.py's totals on dataset/tool_demo_eval.jsonl: questions offered a calculator and
-a weather tool, in a phrasing the tool-use data never used) for the SFT model, then for the SFT model taught to call
-them (out/tool_sft_*.pth), with its run's steps and time.
+a weather tool, in a phrasing tool SFT never used) for the SFT model, then for the SFT model taught to call them
+(out/tool_sft_*.pth), then for that model after agentic GRPO (out/tool_grpo_*.pth), each with its run's steps and time.
 """
 
 from __future__ import annotations
@@ -160,14 +160,16 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731 (stdout carries the table only)
     try:
-        pretrained, sft, dpo, grpo, student_sft, student_distill, tool_sft = [
+        pretrained, sft, dpo, grpo, student_sft, student_distill, tool_sft, tool_grpo = [
             load_model(argparse.Namespace(**{**vars(args), "weight": weight, "lora": None, **layers}), tokenizer,
                        device, log)
             for weight, layers in (("pretrain", {}), ("full_sft", {}), ("dpo", {}), ("grpo", {}),
-                                   ("student_sft", STUDENT), ("student_distill", STUDENT), ("tool_sft", {}))]
+                                   ("student_sft", STUDENT), ("student_distill", STUDENT), ("tool_sft", {}),
+                                   ("tool_grpo", {}))]
         hidden = grpo.config.hidden_size
-        grpo_time, sft_time, distill_time, tool_sft_time = (
-            run_time(args.save_dir, f"{run}_{hidden}") for run in ("grpo", "student_sft", "student_distill", "tool_sft"))
+        grpo_time, sft_time, distill_time, tool_sft_time, tool_grpo_time = (
+            run_time(args.save_dir, f"{run}_{hidden}")
+            for run in ("grpo", "student_sft", "student_distill", "tool_sft", "tool_grpo"))
         lora = load_model(argparse.Namespace(**{**vars(args), "weight": "full_sft"}), tokenizer, device, log)
     except (FileNotFoundError, RuntimeError) as error:
         print(f"error: {error}; run the demo's training stages first (bash scripts/run_demo.sh)", file=sys.stderr)
@@ -196,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
           f"right {100 * after:.1f} % of the time, against {100 * before:.1f} % after SFT)", flush=True)
     tool_items = read_items(args.tool_data)
     # The SFT model first: offered the tools' ~540 tokens it has never seen, what it scores without tool data.
-    tool_rows = [("after SFT (no tool data)", sft), (f"after tool SFT (from SFT), {tool_sft_time}", tool_sft)]
+    tool_rows = [("after SFT (no tool data)", sft), (f"after tool SFT (from SFT), {tool_sft_time}", tool_sft),
+                 (f"after agentic GRPO (from tool SFT), {tool_grpo_time}", tool_grpo)]
     print("\n" + format_tool_table([(name, totals(score_model(model, tokenizer, tool_items)))
                                     for name, model in tool_rows]), flush=True)
     print(f"({len(tool_items)} held-out questions, offered both tools: {sum(bool(item['tool']) for item in tool_items)} "

@@ -343,27 +343,42 @@ def test_tool_sft_calls_the_tool_each_question_needs_with_its_real_result_never_
     assert all(dataset[i][1][-1] == IGNORE_INDEX for i in range(len(dataset)))  # padding at the end: nothing cut
 
 
-def test_tool_grpo_prompts_end_with_the_answer_and_ask_no_calculation_tool_sft_or_the_eval_asks():
+def test_tool_grpo_prompts_ask_in_the_evals_phrasing_what_neither_tool_sft_nor_the_eval_asks():
     """dataset/tool_grpo_demo.jsonl: the system turn with both tools, a question and its final answer (the agentic
-    stage makes the calls); its calculations are neither tool SFT's nor the eval's."""
+    stage makes the calls). As GRPO's prompts, in the eval's phrasing (the last), about what the eval does not ask:
+    calculations neither tool SFT nor the eval asks, a capital's temperature in the language the eval does not ask it
+    in, and grpo_demo.jsonl's questions, which need no call."""
     sft = [r["conversations"] for r in read_records("tool_sft_demo.jsonl")]
     prompts = [r["conversations"] for r in read_records("tool_grpo_demo.jsonl")]
     assert all(len(c) == 3 and c[0] == sft[0][0] and c[2]["role"] == "assistant" for c in prompts)
-    capitals = {city: (en, DEMO_TOOLS["get_weather"].function(en)) for _, _, en, zh in COUNTRIES for city in (en, zh)}
-    sums, kinds = set(), []
+    evaluation = read_records("tool_demo_eval.jsonl")
+    eval_cities = {(r["arguments"]["city"], r["lang"]) for r in evaluation if r["tool"] == "get_weather"}
+    temperature = {}  # the eval's phrasing of each capital's temperature: (city, lang), answer
+    for _, _, city, city_zh in COUNTRIES:
+        for lang in ("en", "zh"):
+            answer = f"{DEMO_TOOLS['get_weather'].function(city)['temperature_c']}°C"
+            temperature[ask_temperature(city, city_zh, lang)[-1]] = (city, lang), answer
+    no_call = {r["conversations"][0]["content"]: r["conversations"][1]["content"]
+               for r in read_records("grpo_demo.jsonl")}
+    sums, kinds = [], []
     for _, question, answer in prompts:
-        numbers = re.search(r"(\d+) ?([-+*]) ?(\d+)", question["content"])
-        city = next((city for city in capitals if city in question["content"]), None)
+        question, answer = question["content"], answer["content"]
+        numbers = re.fullmatch(r"What is (\d+) ([-+*]) (\d+)\?|(\d+)([-+*])(\d+)等于多少？", question)
         if numbers:
-            expression = " ".join(numbers.groups())
-            sums.add(expression)
-            assert answer["content"] == str(DEMO_TOOLS["calculator"].function(expression)["result"])
-        elif city:
-            assert answer["content"] == f"{capitals[city][1]['temperature_c']}°C"
-        kinds.append("calculator" if numbers else "get_weather" if city else "no_tool")
+            a, op, b = [part for part in numbers.groups() if part is not None]
+            assert question == ask_arithmetic(int(a), op, int(b), "en" if question.isascii() else "zh")[-1]
+            sums.append(f"{a} {op} {b}")
+            assert answer == str(DEMO_TOOLS["calculator"].function(sums[-1])["result"])
+            kinds.append("calculator")
+        elif question in temperature:
+            assert temperature[question][0] not in eval_cities and answer == temperature[question][1]
+            kinds.append("get_weather")
+        else:
+            assert no_call[question] == answer  # GRPO's: the eval's phrasing, items the eval does not ask
+            kinds.append("no_tool")
     assert {kind: kinds.count(kind) > 20 for kind in kinds} == {"calculator": True, "get_weather": True, "no_tool": True}
     sft_sums = {q[2]["tool_calls"][0]["arguments"]["expression"] for c in sft for q in questions_of(c)
                 if len(q) > 3 and q[2]["tool_calls"][0]["name"] == "calculator"}
     sft_sums = {" ".join(re.fullmatch(r"(\d+) ?([-+*]) ?(\d+)", e).groups()) for e in sft_sums}
-    eval_sums = {r["arguments"]["expression"] for r in read_records("tool_demo_eval.jsonl") if r["tool"] == "calculator"}
-    assert len(sums) == kinds.count("calculator") and not sums & (sft_sums | eval_sums)
+    eval_sums = {r["arguments"]["expression"] for r in evaluation if r["tool"] == "calculator"}
+    assert len(set(sums)) == len(sums) and not set(sums) & (sft_sums | eval_sums)

@@ -54,10 +54,16 @@ def run(tmp_path_factory):
                *TINY_MODEL[TINY_MODEL.index("--num_hidden_layers") + 2:]]
     # and tool use: a real step of SFT on the tool conversations from full_sft_32 (960 tokens hold them, as in the demo)
     tool_conversations = slice_jsonl(REPO / "dataset" / "tool_sft_demo.jsonl", root / "tool_sft.jsonl", 2)
+    tool_prompts = slice_jsonl(REPO / "dataset" / "tool_grpo_demo.jsonl", root / "tool_grpo.jsonl", 2)
     for script, weight, data, size, start in (
             ("train_full_sft.py", "student_sft", conversations, student, "none"),
             ("train_distillation.py", "student_distill", conversations, student, "none"),
-            ("train_full_sft.py", "tool_sft", tool_conversations, [*TINY_MODEL, "--max_seq_len", "960"], "full_sft")):
+            ("train_full_sft.py", "tool_sft", tool_conversations, [*TINY_MODEL, "--max_seq_len", "960"], "full_sft"),
+            # and agentic GRPO from it: a real step, the tools offered, two turns (the demo's flags, smaller)
+            ("train_grpo.py", "tool_grpo", tool_prompts, [*TINY_MODEL, "--max_seq_len", "640", "--max_turns", "2",
+                                                          "--num_generations", "2", "--max_completion_len", "32",
+                                                          "--rewards", "brevity", "--learning_rate", "1e-2"],
+             "tool_sft")):
         args = run_args(root, data, "--batch_size", "2", "--max_steps", "1", "--from_weight", start,
                         "--save_weight", weight)
         args[args.index("--metrics_dir") + 1] = str(root / "out")
@@ -166,10 +172,11 @@ def tool_items(tmp_path):
     return path
 
 
-def test_the_tool_use_table_gives_eval_tools_totals_for_sft_then_the_tool_sft_model_with_its_run(run, tmp_path,
-                                                                                                  capsys):
-    """Last, a table of eval_tools.py's totals for the SFT model, then for out/tool_sft_*.pth (trained from it), named
-    with the run's steps and time from its status file; the same totals eval_tools.py prints for each model."""
+def test_the_tool_use_table_gives_eval_tools_totals_for_sft_the_tool_sft_model_and_agentic_grpo_with_their_runs(
+        run, tmp_path, capsys):
+    """Last, a table of eval_tools.py's totals for the SFT model, then for out/tool_sft_*.pth (trained from it), then for
+    out/tool_grpo_*.pth (from that), named with the run's steps and time from its status file; the same totals
+    eval_tools.py prints for each model."""
     items = tool_items(tmp_path)
     assert demo_table.main([*SIZE_FLAGS, "--save_dir", str(run / "out"), "--device", "cpu", "--max_new_tokens", "4",
                             "--samples", "2", *small_files(tmp_path)]) == 0
@@ -184,7 +191,13 @@ def test_the_tool_use_table_gives_eval_tools_totals_for_sft_then_the_tool_sft_mo
     assert table[2] == "| after SFT (no tool data) | " + " | ".join(before.values()) + " |"
     assert table[3] == (f"| after tool SFT (from SFT), 1 step in {status['updated'] - status['started']:.0f} s | "
                         + " | ".join(after.values()) + " |")
-    assert table[4] == "(3 held-out questions, offered both tools: 2 need a call, the others none)"
+    status = json.loads((run / "out" / "tool_grpo_32_status.json").read_text())
+    grpo = load(run, "tool_grpo")
+    assert any(not torch.equal(a, b) for a, b in zip(model.state_dict().values(), grpo.state_dict().values()))
+    last = eval_tools.totals(eval_tools.score_model(grpo, tokenizer, eval_tools.read_items(items)))
+    assert table[4] == (f"| after agentic GRPO (from tool SFT), 1 step in {status['updated'] - status['started']:.0f} s"
+                        f" | " + " | ".join(last.values()) + " |")
+    assert table[5] == "(3 held-out questions, offered both tools: 2 need a call, the others none)"
 
 
 def test_a_missing_stage_is_named_with_what_to_run(tmp_path, capsys):

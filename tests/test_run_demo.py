@@ -105,7 +105,8 @@ def test_the_stages_run_in_order_with_the_same_model_sizes_and_the_total_time_co
     assert scripts == ["dataset/make_demo_data.py", "dataset/make_stage_data.py", "trainer/train_pretrain.py",
                        "trainer/train_full_sft.py", "trainer/train_lora.py", "trainer/train_dpo.py",
                        "trainer/train_grpo.py", "trainer/train_full_sft.py", "trainer/train_distillation.py",
-                       "trainer/train_full_sft.py", "eval_tools.py", "scripts/demo_table.py", "eval_model.py", "eval_model.py",
+                       "trainer/train_full_sft.py", "eval_tools.py", "trainer/train_grpo.py", "eval_tools.py",
+                       "scripts/demo_table.py", "eval_model.py", "eval_model.py",
                        "eval_model.py", "scripts/plot_metrics.py", "scripts/plot_metrics.py"]
     sizes = f"--hidden_size 128 --num_hidden_layers {layers} --num_attention_heads 4 --num_key_value_heads 2"
     commands = (tmp_path / "commands").read_text()
@@ -113,8 +114,12 @@ def test_the_stages_run_in_order_with_the_same_model_sizes_and_the_total_time_co
     # tool use: from SFT's model, under a name of its own, scored under that name
     assert f"trainer/train_full_sft.py {sizes} --from_weight full_sft --save_weight tool_sft " in commands
     assert f"eval_tools.py --weight tool_sft {sizes}\n" in commands
+    # agentic GRPO: from the tool model, with the tools running between two turns, scored under its own name
+    assert re.search(f"trainer/train_grpo.py {sizes} --from_weight tool_sft --save_weight tool_grpo .*--max_turns 2 ",
+                     commands)
+    assert f"eval_tools.py --weight tool_grpo {sizes}\n" in commands
     stages = [line for line in result.stdout.splitlines() if line.startswith("== ")]
-    assert [line.split(".")[0] for line in stages[:-1]] == [f"== {n}" for n in range(1, 12)]
+    assert [line.split(".")[0] for line in stages[:-1]] == [f"== {n}" for n in range(1, 13)]
     assert re.fullmatch(r"== done in 0 min \d+ s; the curves: out/pretrain_128_curves.png, out/grpo_128_curves.png",
                         stages[-1]), stages[-1]
 
