@@ -4,8 +4,8 @@
 #   -> curves.
 # Sizes are small on purpose (a ~1M-parameter model, 0.59M with --quick); the flags are the same on a GPU.
 #
-#   bash scripts/run_demo.sh                  # 4 layers, 2 epochs of pretraining and 2 of SFT: 12 min 25 s on a quiet 2-core CPU
-#   bash scripts/run_demo.sh --quick          # the same stages on 2 layers, 1 epoch of pretraining: 7 min 31 s there
+#   bash scripts/run_demo.sh                  # 4 layers, 2 epochs of pretraining and 2 of SFT: 14 min 59 s on a quiet 2-core CPU
+#   bash scripts/run_demo.sh --quick          # the same stages on 2 layers, 1 epoch of pretraining: 8 min 55 s there
 #   bash scripts/run_demo.sh --check_machine  # only the check below: is the machine busy or small?
 #
 # It first looks at the machine: on fewer than 2 cores, or with a 1-minute load average of half the cores or
