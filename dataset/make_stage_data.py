@@ -206,6 +206,18 @@ def arithmetic(rng: random.Random) -> tuple[int, str, int]:
     return (a, rng.choice("+-*"), b) if rng.random() < 0.5 else (b, rng.choice("+-*"), a)
 
 
+def new_arithmetic(rng: random.Random, taken: set) -> tuple[int, str, int]:
+    """arithmetic(rng), drawn again while it is one in `taken` ("a op b"), then added to it."""
+    a, op, b = arithmetic(rng)
+    while f"{a} {op} {b}" in taken:
+        a, op, b = arithmetic(rng)
+    taken.add(f"{a} {op} {b}")
+    return a, op, b
+
+
+KINDS = ["calculator"] * 2 + ["weather"] * 2 + ["no_tool"]  # a tool question's kind, drawn from these: 2, 2 and 1 in 5
+
+
 def calculation(a: int, op: str, b: int, lang: str = "en") -> tuple[dict, str]:
     """The calculator's arguments for `a op b`, written as a question in `lang` writes it (a span to copy is easier to
     learn than a rewriting), and the final answer: its result."""
@@ -233,12 +245,9 @@ def tool_question(rng: random.Random, held_out: dict[str, set], taken: set, phra
     """One conversation of tool_conversation: a calculation (2 in 5; never one in `taken`, to which it is added),
     a temperature (2 in 5) or a question of SFT's that needs no tool (1 in 5), asked in one of the phrasings
     `phrasing` picks (the eval keeps the last)."""
-    lang, kind = rng.choice(["en", "zh"]), rng.choice(["calculator"] * 2 + ["weather"] * 2 + ["no_tool"])
+    lang, kind = rng.choice(["en", "zh"]), rng.choice(KINDS)
     if kind == "calculator":
-        a, op, b = arithmetic(rng)
-        while f"{a} {op} {b}" in taken:
-            a, op, b = arithmetic(rng)
-        taken.add(f"{a} {op} {b}")
+        a, op, b = new_arithmetic(rng, taken)
         arguments, answer = calculation(a, op, b, lang)
         return tool_conversation(rng.choice(ask_arithmetic(a, op, b, lang)[phrasing]), answer, "calculator", arguments)
     if kind == "weather":
@@ -268,12 +277,9 @@ def tool_grpo_prompts(rng: random.Random, count: int, taken: set, tool_eval: lis
               if (city, lang) not in asked]
     prompts = []
     for _ in range(count):
-        lang, kind = rng.choice(["en", "zh"]), rng.choice(["calculator"] * 2 + ["weather"] * 2 + ["no_tool"])
+        lang, kind = rng.choice(["en", "zh"]), rng.choice(KINDS)
         if kind == "calculator":
-            a, op, b = arithmetic(rng)
-            while f"{a} {op} {b}" in taken:
-                a, op, b = arithmetic(rng)
-            taken.add(f"{a} {op} {b}")
+            a, op, b = new_arithmetic(rng, taken)
             question, answer = ask_arithmetic(a, op, b, lang)[-1], calculation(a, op, b, lang)[1]
         elif kind == "weather":
             city, city_zh, lang = rng.choice(cities)
