@@ -277,7 +277,7 @@ def tool_grpo_prompts(rng: random.Random, count: int, taken: set, tool_eval: lis
               if (city, lang) not in asked]
     prompts = []
     for _ in range(count):
-        lang, kind = rng.choice(["en", "zh"]), rng.choice(KINDS)
+        lang, kind = rng.choice(["en", "zh"]), rng.choice(KINDS)  # lang: a calculation's (drawn for each kind)
         if kind == "calculator":
             a, op, b = new_arithmetic(rng, taken)
             question, answer = ask_arithmetic(a, op, b, lang)[-1], calculation(a, op, b, lang)[1]
@@ -285,7 +285,7 @@ def tool_grpo_prompts(rng: random.Random, count: int, taken: set, tool_eval: lis
             city, city_zh, lang = rng.choice(cities)
             question, answer = ask_temperature(city, city_zh, lang)[-1], weather(city)[1]
         else:
-            (question, answer) = (message["content"] for message in rng.choice(grpo)["conversations"])
+            question, answer = (message["content"] for message in rng.choice(grpo)["conversations"])
         prompts.append(tool_conversation(question, answer))
     return prompts
 

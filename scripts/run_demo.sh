@@ -128,8 +128,9 @@ python eval_tools.py --weight tool_sft "${SIZE[@]}"
 # Agentic GRPO from the tool model: each question is answered 8 times, the calls it writes run and their results are
 # appended (--max_turns 2: a call, then the answer), and the final answer is judged against its group. The questions
 # are in the eval's phrasing, about what the eval does not ask (make_stage_data.py), as stage 6's. The answer reward
-# alone: the tool reward pays any call that validates, needed or not. One epoch of 128 questions, 16 steps: a step of
-# 8 questions costs some 12 s here, and this model moves little in that many (docs/demo.md says what more steps did).
+# alone: the tool reward pays any call that validates, needed or not. One epoch of 128 questions, 16 steps, some 12 s
+# each here. On this model it lowers the tool-use score (22 -> 15 of 48 in the full demo): docs/demo.md gives every
+# setting measured; the row is there to show what the stage did.
 echo "== 9. agentic GRPO: out/tool_sft_128.pth calls its tools in 8 rollouts per question, each judged by its final answer"
 python trainer/train_grpo.py "${SIZE[@]}" --from_weight tool_sft --save_weight tool_grpo --data_path dataset/tool_grpo_demo.jsonl \
     --max_turns 2 --rewards answer --max_seq_len 736 --max_completion_len 128 --batch_size 8 --num_generations 8 \
