@@ -22,7 +22,7 @@ from trainer.hardening.resume_checks import ConfigError
 from trainer.hardening.writer_lock import WRITERS_NAME, WritersLock
 
 SLOW = pytest.mark.skipif(os.environ.get("TRAINER_SLOW_TESTS") != "1",
-                          reason="a 2-rank torchrun and two more runs; set TRAINER_SLOW_TESTS=1 to run it (.ci/run does)")
+                          reason="a 2-rank torchrun, then two runs; set TRAINER_SLOW_TESTS=1 to run it (.ci/run does)")
 
 
 def foreign_lock(directory, **fields) -> dict:
