@@ -20,6 +20,7 @@ import errno
 import fcntl
 import os
 import stat
+import time
 from pathlib import Path
 
 from trainer.hardening.resume_checks import ConfigError
@@ -27,6 +28,7 @@ from trainer.hardening.resume_checks import ConfigError
 WRITERS_NAME = "trainer.writers.lock"
 # What a filesystem without locks answers (some network filesystems): said once, never taken for "free".
 NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+SHARE_WAIT_S = 10.0  # the longest a rank waits for a starter's exclusive check to end
 
 
 class WritersLock:
@@ -57,15 +59,22 @@ class WritersLock:
 
     def share(self) -> None:
         """Hold the lock shared from now on (an exclusive one of ours becomes shared at once)."""
-        try:
-            fcntl.lockf(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError as error:
-            if error.errno in (errno.EACCES, errno.EAGAIN):  # only a starter's check holds it exclusively, briefly
-                raise ConfigError(f"{self.path} is held by another trainer starting now; start this one again "
-                                  f"once that one has started or given up") from None
-            if error.errno not in NO_LOCKS:
-                raise
-            self.unsupported = f"{self.path}: this filesystem takes no lock ({os.strerror(error.errno)})"
+        deadline = time.monotonic() + SHARE_WAIT_S
+        while True:
+            try:
+                fcntl.lockf(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return
+            except OSError as error:
+                if error.errno in (errno.EACCES, errno.EAGAIN) and time.monotonic() < deadline:
+                    time.sleep(0.05)  # only a starter's check holds it exclusively, for a moment: not a blocking
+                    continue          # lockf, which would wait for ever on a starter frozen in that moment
+                if error.errno in (errno.EACCES, errno.EAGAIN):
+                    raise ConfigError(f"{self.path} is held exclusively by another trainer starting now; start this "
+                                      f"one again once that one has started or given up") from None
+                if error.errno not in NO_LOCKS:
+                    raise
+                self.unsupported = f"{self.path}: this filesystem takes no lock ({os.strerror(error.errno)})"
+                return
 
     def close(self) -> None:
         """Drop the lock (closing the file does: POSIX locks go with the process's last close of the file)."""
