@@ -464,7 +464,9 @@ def main(argv: list[str] | None = None) -> int:
         # On stderr: stdout carries only the answers (a --prompt answer may be piped on).
         model = load_model(args, tokenizer, torch.device(args.device), log=lambda line: print(line, file=sys.stderr))
         if not args.bpb_data:  # where it writes: a longer prompt keeps its end
-            max_prompt_tokens = prompt_room(args, model, log=lambda line: print(line, file=sys.stderr))
+            # --eval says where it cuts up front; --prompt and the chat say so when a prompt is cut (cut_note)
+            say = (lambda line: print(line, file=sys.stderr)) if args.eval else (lambda line: None)
+            max_prompt_tokens = prompt_room(args, model, log=say)
     except (FileNotFoundError, RuntimeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2  # an expected error exits 2, as in the training scripts
