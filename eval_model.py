@@ -28,8 +28,9 @@ The eval file uses the SFT format; the last message of each conversation must be
 reference answer. Everything before it is the prompt, rendered by dataset/chat_format.py exactly as
 in training; the model's answer is what it writes after its <think>...</think> block.
 
---mc_data and --eval read a text up to the length the model was trained at (out/{weight}.json, which training
-writes beside the weights): a longer question or prompt keeps its end, as lm-eval cuts, and a line counts them.
+--mc_data, --eval, --prompt and the chat read a text up to the length the model was trained at (out/{weight}.json,
+which training writes beside the weights; without one, minimind's, its positions, less --max_new_tokens where it
+writes): a longer question or prompt keeps its end, as lm-eval cuts, cut before it is tokenized, and a line says so.
 
 --bpb_data scores a file as the trainer's validation does (trainer/hardening/tracking.py): {"text": ...}
 lines as pretraining reads them, {"conversations": ...} lines as SFT does (the loss on the answers).
@@ -128,6 +129,17 @@ def trained_context(args: argparse.Namespace, model: CausalLM, log: Callable[[st
     return trained
 
 
+def prompt_room(args: argparse.Namespace, model: CausalLM, log: Callable[[str], None]) -> int:
+    """The tokens a prompt keeps where the model writes after it: trained_context, and room for --max_new_tokens
+    in the model's positions (a file without a .json gave a prompt all of them: a traceback at the first new
+    token). RuntimeError when no room is left."""
+    positions = model.config.max_position_embeddings
+    if args.max_new_tokens > positions - 2:
+        raise RuntimeError(f"--max_new_tokens {args.max_new_tokens}: the model has {positions} positions, for the "
+                           f"prompt and the answer together; ask for fewer")
+    return min(trained_context(args, model, log), positions - args.max_new_tokens)
+
+
 def find_weight_file(save_dir: Path, weight: str, hidden_size: int | None, use_moe: int | None) -> Path:
     """The one `{weight}_{hidden}[_moe].pth` in `save_dir` that fits the --hidden_size / --use_moe given."""
     name = re.compile(rf"{re.escape(weight)}_(\d+)(_moe)?\.pth")
@@ -208,6 +220,21 @@ def raw_prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
     return [BOS_ID] + tokenizer.encode(text).ids
 
 
+def prompt_ids_within(tokenizer: Tokenizer, messages: list[dict], raw_text: bool,
+                      max_tokens: int) -> tuple[list[int], bool]:
+    """The ids of a --prompt or a chat turn (raw_prompt_ids of the last message's text, or chat_prompt_ids of them
+    all), kept to their last `max_tokens` and whether they were cut: the text is cut first (text_end_for_tokens),
+    so a prompt of megabytes is not tokenized whole."""
+    if not raw_text:
+        return chat_prompt_ids_within(tokenizer, messages, max_tokens)
+    ids = raw_prompt_ids(tokenizer, text_end_for_tokens(messages[-1]["content"], max_tokens, tokenizer))
+    return [BOS_ID] + ids[1:][-(max_tokens - 1):], len(ids) > max_tokens
+
+
+def cut_note(max_tokens: int) -> str:
+    return f"note: the prompt is longer than the {max_tokens} tokens the model reads: it lost its start"
+
+
 # ---- exact-match evaluation -----------------------------------------------------------------
 
 def answers_match(generated: str, reference: str) -> bool:
@@ -230,8 +257,8 @@ def evaluate_exact_match(model: CausalLM, tokenizer: Tokenizer, records: list[di
                          log: Callable[[str], None] | None = None, max_prompt_tokens: int | None = None,
                          note: Callable[[str], None] | None = None) -> tuple[int, int]:
     """Greedy-answer every record; returns (correct, total). `log` receives one line per mistake. With
-    `max_prompt_tokens` (the length the model was trained at), a longer prompt keeps its last tokens, and
-    `note` receives one line counting such records."""
+    `max_prompt_tokens` (prompt_room), a longer prompt keeps its last tokens, and `note` receives one line counting
+    such records."""
     correct, cut = 0, 0
     for n, record in enumerate(records, start=1):
         messages, reference = split_eval_record(record)
@@ -248,8 +275,8 @@ def evaluate_exact_match(model: CausalLM, tokenizer: Tokenizer, records: list[di
             answer = answer_from_generation(generated).strip()
             log(f"#{n}: {question!r} -> got {answer!r}, expected {reference.strip()!r}")
     if cut and note is not None:
-        note(f"note: {cut} of {len(records)} prompts are longer than the {max_prompt_tokens} tokens the model was "
-             f"trained at: each lost its start (cut at the left, as lm-eval cuts)")
+        note(f"note: {cut} of {len(records)} prompts are longer than the {max_prompt_tokens} tokens the model reads: "
+             f"each lost its start (cut at the left, as lm-eval cuts)")
     return correct, len(records)
 
 
@@ -340,8 +367,10 @@ def evaluate_pairs(args: argparse.Namespace) -> int:
 # ---- interactive loop -----------------------------------------------------------------------
 
 def chat_loop(model: CausalLM, tokenizer: Tokenizer, args: argparse.Namespace, raw_text: bool,
-              stdin: TextIO | None = None) -> None:
-    """Read prompts from stdin until an empty line or EOF; chat mode keeps the conversation."""
+              stdin: TextIO | None = None, max_prompt_tokens: int | None = None) -> None:
+    """Read prompts from stdin until an empty line or EOF; chat mode keeps the conversation, each turn's prompt
+    kept to its last `max_prompt_tokens` (prompt_room; default: the model's positions less --max_new_tokens)."""
+    room = max_prompt_tokens or model.config.max_position_embeddings - args.max_new_tokens
     stdin = stdin if stdin is not None else sys.stdin
     history: list[dict[str, str]] = []
     mode = "text continuation" if raw_text else "chat"
@@ -357,15 +386,15 @@ def chat_loop(model: CausalLM, tokenizer: Tokenizer, args: argparse.Namespace, r
             history.clear()
             print("(history cleared)", flush=True)
             continue
+        ids, cut = prompt_ids_within(tokenizer, [*history, {"role": "user", "content": prompt}], raw_text, room)
+        if cut:
+            print(cut_note(room), file=sys.stderr, flush=True)
+        answer = generate_text(model, tokenizer, ids, args.max_new_tokens, args.temperature, args.top_p, args.top_k)
         if raw_text:
-            answer = generate_text(model, tokenizer, raw_prompt_ids(tokenizer, prompt), args.max_new_tokens,
-                                   args.temperature, args.top_p, args.top_k)
             print(prompt + answer, flush=True)
             continue
         history.append({"role": "user", "content": prompt})
-        answer = answer_from_generation(generate_text(model, tokenizer, chat_prompt_ids(tokenizer, history),
-                                                      args.max_new_tokens, args.temperature, args.top_p,
-                                                      args.top_k))
+        answer = answer_from_generation(answer)
         history.append({"role": "assistant", "content": answer})
         print(answer, flush=True)
 
@@ -434,8 +463,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # On stderr: stdout carries only the answers (a --prompt answer may be piped on).
         model = load_model(args, tokenizer, torch.device(args.device), log=lambda line: print(line, file=sys.stderr))
-        if args.eval:  # a longer prompt is cut to it
-            max_prompt_tokens = trained_context(args, model, log=lambda line: print(line, file=sys.stderr))
+        if not args.bpb_data:  # where it writes: a longer prompt keeps its end
+            # --eval says where it cuts up front; --prompt and the chat say so when a prompt is cut (cut_note)
+            say = (lambda line: print(line, file=sys.stderr)) if args.eval else (lambda line: None)
+            max_prompt_tokens = prompt_room(args, model, log=say)
     except (FileNotFoundError, RuntimeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2  # an expected error exits 2, as in the training scripts
@@ -456,15 +487,14 @@ def main(argv: list[str] | None = None) -> int:
                                               max_prompt_tokens=max_prompt_tokens, note=print)
         print(format_accuracy(correct, total), flush=True)
     elif args.prompt is not None:
-        if raw_text:
-            ids = raw_prompt_ids(tokenizer, args.prompt)
-        else:
-            ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": args.prompt}])
+        ids, cut = prompt_ids_within(tokenizer, [{"role": "user", "content": args.prompt}], raw_text, max_prompt_tokens)
+        if cut:
+            print(cut_note(max_prompt_tokens), file=sys.stderr, flush=True)
         answer = generate_text(model, tokenizer, ids, args.max_new_tokens, args.temperature, args.top_p,
                                args.top_k)
         print(args.prompt + answer if raw_text else answer_from_generation(answer), flush=True)
     else:
-        chat_loop(model, tokenizer, args, raw_text)
+        chat_loop(model, tokenizer, args, raw_text, max_prompt_tokens=max_prompt_tokens)
     return 0
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 import re
 
 import pytest
@@ -19,6 +20,10 @@ from conftest import (events_of, history_file, last_record_per_step_and_rank, re
 from model.model import LMConfig
 from trainer.hardening.resume_checks import checked_for_resume
 from trainer.trainer_utils import RunSpec, epoch_order
+
+
+SLOW = pytest.mark.skipif(os.environ.get("TRAINER_SLOW_TESTS") != "1",
+                          reason="covered by a faster test; set TRAINER_SLOW_TESTS=1 to run it (.ci/run does)")
 
 
 def job_args(tmp_path, data, *extra) -> list[str]:
@@ -220,3 +225,44 @@ def test_a_learning_rate_that_makes_every_step_non_finite_stops_the_run_with_exi
     assert resume_file(tmp_path)["global_step"] == 20
     at_10, at_20 = history_file(tmp_path, 10)["model"], history_file(tmp_path, 20)["model"]
     assert all(torch.equal(at_10[key], at_20[key]) for key in at_10)
+
+
+# ---- every stage: the injection reaches what the stage's loss is computed from ----------------------
+
+def stage_run(stage: str, run_dir, request) -> tuple[str, str, list[str]]:
+    """(script, run name, flags) of a tiny run of `stage` under `run_dir`, its start weights written to its out/."""
+    from test_distillation_runs import distill_args
+    from test_dpo import sum_pairs, write_jsonl
+    from test_dpo_runs import dpo_args
+    from test_grpo import sum_questions
+    from test_grpo_runs import grpo_args
+    from lora_files import tiny_config, write_base
+    if stage == "pretrain":
+        return "train_pretrain.py", "pretrain_32", run_args(run_dir, request.getfixturevalue("pretrain_data"))
+    if stage == "sft":
+        return "train_full_sft.py", "full_sft_32", run_args(run_dir, request.getfixturevalue("sft_data"),
+                                                            "--from_weight", "none")
+    if stage == "lora":
+        write_base(run_dir / "out", tiny_config())
+        return "train_lora.py", "lora_demo_32", run_args(run_dir, request.getfixturevalue("sft_data"))
+    if stage == "dpo":
+        return "train_dpo.py", "dpo_32", dpo_args(run_dir, write_jsonl(run_dir.parent / "pairs.jsonl", sum_pairs(11)))
+    if stage == "grpo":
+        return "train_grpo.py", "grpo_32", grpo_args(run_dir, write_jsonl(run_dir.parent / "prompts.jsonl",
+                                                                         sum_questions(11)))
+    return "train_distillation.py", "distill_32", distill_args(run_dir, request.getfixturevalue("sft_data"))
+
+
+# Pretraining and LoRA meet an injected NaN in the default run too (above; tests/test_lora.py): theirs here are slow.
+@pytest.mark.parametrize("stage", [pytest.param("pretrain", marks=SLOW), "sft", pytest.param("lora", marks=SLOW), "dpo",
+                                   "grpo", "distillation"])
+def test_an_injected_nan_is_seen_by_the_anomaly_policy_in_every_stage(tmp_path, request, stage):
+    """Distillation's loss is computed from the logits, outside the model: the injection scaled a loss that is None
+    there, and step 2 trained as if nothing were injected. Now it stops every stage, before any save holds it."""
+    script, name, flags = stage_run(stage, tmp_path / "run", request)
+    result = train(script, None, [*flags, "--batch_size", "2", "--on_anomaly", "stop", "--debug_inject", "nan:2",
+                                  "--max_steps", "3"], tmp_path, check=False)
+    assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
+    status = status_of(tmp_path / "run", name)
+    assert (status["status"], status["anomaly_reason"]) == ("failed", "non-finite loss nan at step 2"), status
+    assert [r["step"] for r in trace_of(tmp_path / "run")] == [1]  # step 1 trained; step 2 stopped the run

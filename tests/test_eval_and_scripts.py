@@ -180,7 +180,7 @@ def test_eval_cuts_a_prompt_of_megabytes_at_the_trained_length_and_counts_it(tmp
                             "--eval", str(eval_file), "--max_new_tokens", "2"]) == 0
     captured = capsys.readouterr()
     assert "Traceback" not in captured.out + captured.err
-    assert "note: 1 of 3 prompts are longer than the 48 tokens the model was trained at: each lost its start" \
+    assert "note: 1 of 3 prompts are longer than the 48 tokens the model reads: each lost its start" \
         in captured.out, captured.out
     assert "exact-match accuracy: " in captured.out
     # Its texts were cut before the prompt was tokenized, and the ids kept are those of the whole prompt.
@@ -190,6 +190,66 @@ def test_eval_cuts_a_prompt_of_megabytes_at_the_trained_length_and_counts_it(tmp
     short = [{"role": "user", "content": "What is 2+3?"}]
     assert eval_model.chat_prompt_ids_within(tokenizer, short, 48) == (eval_model.chat_prompt_ids(tokenizer, short),
                                                                        False)
+
+
+class Recorded:
+    """The real tokenizer (or the chat encoder's copy of it), recording how many characters each text it is handed
+    to encode has."""
+
+    def __init__(self, tokenizer, lengths: list[int]):
+        self.tokenizer, self.lengths = tokenizer, lengths
+
+    def encode(self, text, *args, **kwargs):
+        self.lengths.append(len(text))
+        return self.tokenizer.encode(text, *args, **kwargs)
+
+    def encode_batch(self, texts, *args, **kwargs):
+        self.lengths.extend(len(text) for text in texts)
+        return self.tokenizer.encode_batch(texts, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def test_every_path_that_writes_cuts_a_prompt_of_megabytes_to_the_positions_of_weights_without_a_json(
+        tmp_path, monkeypatch, capsys):
+    """minimind's weights have no out/{weight}.json: --eval handed the model a prompt filling all 32768 positions
+    ("32769 positions exceed max_position_embeddings" at the first new token), --prompt and the chat tokenized 6 MB
+    whole first. Each prompt now keeps its end, leaving --max_new_tokens their positions, cut before it is
+    tokenized. The model answers at once here: a forward over 32k tokens takes a minute on a CPU."""
+    import dataset.chat_format as chat_format
+    from lora_files import tiny_config, write_base
+    from model.model import CausalLM
+    from model.tokenizer import EOS_ID, chars_for_tokens, text_only_copy
+
+    for name in ("full_sft", "pretrain"):
+        write_base(tmp_path, tiny_config(), name=name)  # and no .json beside them
+    lengths, prompts, real_load = [], [], eval_model.load_tokenizer
+    monkeypatch.setattr(eval_model, "load_tokenizer", lambda path: Recorded(real_load(path), lengths))
+    monkeypatch.setattr(chat_format, "text_only_copy", lambda t: Recorded(text_only_copy(t), lengths))
+
+    def answer_at_once(model, input_ids, max_new_tokens, **kwargs):
+        assert input_ids.shape[1] + max_new_tokens <= model.config.max_position_embeddings, input_ids.shape
+        prompts.append(input_ids.shape[1])
+        return torch.cat([input_ids, torch.tensor([[5, EOS_ID]])], dim=1)
+
+    monkeypatch.setattr(CausalLM, "generate", answer_at_once)
+    text = "The sky is blue today. " * 110_000 + "What is 2+3?"  # 2.5 MB
+    eval_file = tmp_path / "eval.jsonl"
+    eval_file.write_text(json.dumps({"conversations": [{"role": "user", "content": text},
+                                                       {"role": "assistant", "content": "5"}]}) + "\n")
+    common = ["--save_dir", str(tmp_path), "--device", "cpu", "--max_new_tokens", "64"]
+    for weight, how in [("full_sft", ["--eval", str(eval_file)]), ("full_sft", ["--prompt", text]),
+                        ("pretrain", ["--prompt", text]), ("full_sft", [])]:
+        monkeypatch.setattr(sys, "stdin", io.StringIO(text + "\n\n"))  # the chat: one turn, then an empty line
+        assert eval_model.main(["--weight", weight, *common, *how]) == 0
+        captured = capsys.readouterr()
+        assert "Traceback" not in captured.out + captured.err
+        assert ("texts are cut at its 32768 positions" in captured.err) == bool(how and how[0] == "--eval")
+        assert "the 32704 tokens the model" in captured.out + captured.err, (how, captured.out, captured.err)
+    assert prompts == [32768 - 64] * 4  # each filled what is left of the positions, and no more
+    tokenizer = load_tokenizer()
+    assert max(lengths) <= chars_for_tokens(32768, tokenizer) + 100 < len(text) / 2, max(lengths)
 
 
 def test_interactive_loop_keeps_going_until_an_empty_line(runs, monkeypatch, capsys):

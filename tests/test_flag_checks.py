@@ -12,7 +12,7 @@ import torch
 
 from conftest import run_args, train
 from model.model import CausalLM, LMConfig
-from trainer import train_full_sft, train_pretrain
+from trainer import train_distillation, train_full_sft, train_pretrain
 from trainer.hardening import flag_checks
 from trainer.hardening.resume_checks import ConfigError
 from trainer.trainer_utils import model_config
@@ -150,6 +150,24 @@ def test_the_values_the_readme_and_tests_use_pass(monkeypatch, paths, script):
         flags += ["--system_prompt_ratio", "0.2", "--drop_empty_think_ratio", "1"]
     args = parse(monkeypatch, script, flags, paths)
     assert (args.learning_rate, args.grad_clip, args.use_compile) == (0.0, float("inf"), 0)
+
+
+@pytest.mark.parametrize("temperature, refused", [("1e-30", True), ("0.05", True), ("1e30", True), ("20.5", True),
+                                                  ("0.051", False), ("2", False), ("20", False)])
+def test_distillations_temperature_is_bounded_where_the_kl_still_carries_the_teacher(monkeypatch, paths, temperature,
+                                                                                     refused):
+    """At 1e-30 the teacher's T^2-scaled KL vanished without a word; at 1e30 every step was NaN. GRPO's
+    --temperature (sampling) keeps its own wider range."""
+    argv = [train_distillation.__file__, "--data_path", paths["file"], "--device", "cpu", "--temperature", temperature]
+    monkeypatch.setattr(sys, "argv", argv)
+    if not refused:
+        assert train_distillation.parse_args().temperature == float(temperature)
+        return
+    with pytest.raises(ConfigError) as raised:
+        train_distillation.parse_args()
+    assert str(raised.value).startswith(f"--temperature {float(temperature)}: must be in (0.05, 20] for "
+                                        f"distillation"), str(raised.value)
+    assert "\n" not in str(raised.value)
 
 
 # ---- real processes: what a user sees -------------------------------------------------------------

@@ -5,6 +5,7 @@ the lock, the start removes the temp files of killed writes and finds whatever s
 import json
 import multiprocessing
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -13,11 +14,15 @@ import time
 
 import pytest
 
-from conftest import (PRETRAIN_RUN, REPO, TINY_MODEL, Lines, assert_exit_code, child_env, free_port, launch_command,
-                      read_trace, run_args, save, slowed_env, train, wait_until)
+from conftest import (PRETRAIN_RUN, REPO, TINY_MODEL, Lines, assert_exit_code, child_env, child_pids, events_of,
+                      free_port, launch_command, read_trace, resume_file, run_args, save, slowed_env, train, wait_until)
 from trainer.hardening import checkpoint_io as cio, directory_checks, run_lock
 from trainer.hardening.checkpoint_io import CheckpointError, RunFiles
 from trainer.hardening.resume_checks import ConfigError
+from trainer.hardening.writer_lock import WRITERS_NAME, WritersLock
+
+SLOW = pytest.mark.skipif(os.environ.get("TRAINER_SLOW_TESTS") != "1",
+                          reason="a 2-rank torchrun, then two runs; set TRAINER_SLOW_TESTS=1 to run it (.ci/run does)")
 
 
 def foreign_lock(directory, **fields) -> dict:
@@ -109,6 +114,99 @@ def test_of_several_starters_on_a_stale_lock_exactly_one_wins(tmp_path):
         p.join(60)
     tokens = [results.get(timeout=5) for _ in starters]
     assert sum(t is not None for t in tokens) == 1, tokens
+
+
+def _hold_as_another_rank(directory, ready, done):
+    """A process of a run other than its rank 0: it holds its kernel lock in the directory until `done`."""
+    writers = WritersLock(directory)
+    writers.share()
+    ready.set()
+    done.wait(60)
+
+
+def test_a_gone_holder_is_not_taken_over_while_another_process_of_its_run_lives(tmp_path):
+    """Rank 0 gone, rank 1 still writing (its torchrun was killed): the dead pid in the lock file was taken over."""
+    holder = foreign_lock(tmp_path, pid=dead_pid())
+    context = multiprocessing.get_context("fork")  # the rank needs only this module, already imported
+    ready, done = context.Event(), context.Event()
+    rank_1 = context.Process(target=_hold_as_another_rank, args=(tmp_path, ready, done))
+    rank_1.start()
+    try:
+        assert ready.wait(30)
+        with pytest.raises(ConfigError) as refused:
+            lock_of(tmp_path).acquire()
+        line = str(refused.value)
+        assert line.startswith(f"{tmp_path} is in use by another trainer: the lock's holder is gone (pid "
+                               f"{holder['pid']} on ") and "\n" not in line, line
+        assert f"a process of that run still holds {tmp_path / WRITERS_NAME}" in line
+        assert run_lock.read_lock(tmp_path / run_lock.LOCK_NAME)["token"] == holder["token"]  # left as it was
+        (tmp_path / run_lock.LOCK_NAME).unlink()  # removed by hand: still refused, and nothing left behind
+        with pytest.raises(ConfigError, match="in use by another trainer: a process of that run still holds"):
+            lock_of(tmp_path).acquire()
+        assert not (tmp_path / run_lock.LOCK_NAME).exists()
+    finally:
+        done.set()
+        rank_1.join(30)
+    lock = lock_of(tmp_path)  # its last process gone, the kernel dropped its lock: the directory is free
+    lock.acquire()
+    assert lock.held
+    lock.release()
+
+
+def rank_of(pid: int) -> int:
+    environ = dict(item.split("=", 1) for item in open(f"/proc/{pid}/environ").read().split("\0") if "=" in item)
+    return int(environ["RANK"])
+
+
+def wait_gone(pid: int, timeout: float = 60) -> bool:
+    """Whether `pid` ended (a zombie no one reaps counts as ended) within `timeout` seconds."""
+    deadline = time.time() + timeout
+    while run_lock.pid_alive(pid, None):
+        if time.time() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+@SLOW
+def test_torchrun_killed_alone_its_workers_exit_and_no_run_takes_the_directories_while_one_lives(tmp_path,
+                                                                                                  pretrain_data):
+    """Before: SIGKILL to torchrun alone left both workers training for over a minute, and a new run took the same
+    directories from the dead rank 0 meanwhile. Rank 1 is paused here (SIGSTOP) so that it outlives its rank 0."""
+    run = tmp_path / "run"
+    flags = run_args(run, pretrain_data, "--batch_size", "2", "--epochs", "50", "--save_interval", "2",
+                     "--from_resume", "1")
+    launcher = subprocess.Popen(launch_command("train_pretrain.py", 2, [*TINY_MODEL, *flags]), cwd=tmp_path,
+                                env=slowed_env(step_delay_s=0.2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+    workers = []
+    try:
+        wait_until(lambda: (run / "ckpt" / f"{PRETRAIN_RUN}_latest.txt").is_file(), launcher, 120)  # a checkpoint
+        workers = sorted(child_pids(launcher.pid), key=rank_of)
+        assert len(workers) == 2, workers
+        os.kill(workers[1], signal.SIGSTOP)
+        launcher.kill()  # torchrun alone
+        launcher.wait(30)
+        assert wait_gone(workers[0]), "rank 0 outlived its torchrun"
+
+        second = train("train_pretrain.py", None, flags, tmp_path, check=False)  # rank 1 lives (paused)
+        assert_exit_code(second, 2)
+        assert second.stderr.strip().splitlines() == [second.stderr.strip()], second.stderr  # one line
+        assert "is in use by another trainer: the lock's holder is gone (pid " in second.stderr
+        assert "a process of that run still holds" in second.stderr
+
+        os.kill(workers[1], signal.SIGCONT)
+        assert wait_gone(workers[1]), "rank 1 outlived its torchrun"
+    finally:
+        for pid in workers:
+            if run_lock.pid_alive(pid, None):
+                os.kill(pid, signal.SIGKILL)
+        launcher.kill()
+        launcher.communicate()
+    saved = int(re.search(r"step_(\d+)", (run / "ckpt" / f"{PRETRAIN_RUN}_latest.txt").read_text()).group(1))
+    third = train("train_pretrain.py", None, [*flags, "--max_steps", "1"], tmp_path)  # once no process of it is left
+    assert f"taking over {run / 'ckpt' / run_lock.LOCK_NAME}: its holder is gone" in third.stdout, third.stdout[-3000:]
+    assert events_of(run)[-1] == ("resume", saved) and resume_file(run)["global_step"] == saved + 1
 
 
 def test_a_second_trainer_is_refused_and_a_killed_ones_lock_is_taken_over(tmp_path, pretrain_data):

@@ -149,15 +149,25 @@ def parse_injection(spec: str | None) -> dict[int, str]:
 def install_debug_injection(model: torch.nn.Module, spec: str | None, current_step) -> None:
     """--debug_inject: multiply the loss of the chosen steps by NaN or 1e4 (each fires once per process).
     A forward hook on the plain model (`current_step()` is the step being run): the loop has no test code,
-    and the faulty loss flows into the gradients as a real blow-up would."""
+    and the faulty loss flows into the gradients as a real blow-up would. It fires in the first forward of the
+    step that builds a graph in training mode, so in what the stage trains on: the loss where the model computes
+    it (pretraining, SFT, LoRA, DPO, GRPO pass labels), else the logits the stage's loss is computed from
+    (distillation), never a rollout's sampling (generate runs in eval mode) nor a pass without gradients."""
     injections = parse_injection(spec)
     if not injections:
         return
 
     @torch.compiler.disable  # runs as plain Python under torch.compile: the step number is no graph constant
     def inject(module, inputs, output):
-        kind = injections.pop(current_step(), None) if output.loss is not None and module.training else None
-        return output if kind is None else output._replace(loss=output.loss * (math.nan if kind == "nan" else 1e4))
+        if not (module.training and torch.is_grad_enabled()):
+            return output
+        kind = injections.pop(current_step(), None)
+        if kind is None:
+            return output
+        factor = math.nan if kind == "nan" else 1e4
+        if output.loss is None:  # the stage computes its loss from the logits: x 1e4 logits give a huge loss too
+            return output._replace(logits=output.logits * factor)
+        return output._replace(loss=output.loss * factor)
 
     model.register_forward_hook(inject)
 

@@ -92,6 +92,12 @@ RANGES = {
     "num_iterations": ("an integer >= 1 (GRPO: optimizer updates on each batch of rollouts)", lambda v: v >= 1),
 }
 LOGGERS = ("console", "file", "wandb", "swanlab")
+# Distillation's --temperature T, a tighter range than GRPO's: the KL is scaled by T^2, so the teacher's gradient
+# falls like T as T goes to 0 (at 0.05 it is a twentieth of its size at T = 1; at 1e-30 the teacher is silently
+# gone), and above 20 both softened distributions are near uniform, where a larger T adds nothing to the logit
+# matching it tends to but float32 rounding, amplified by T^2 (at 1e30, T^2 overflows: NaN at every step).
+# Hinton et al. (2015) use 1 to 20.
+DISTILLATION_TEMPERATURE = (0.05, 20.0)
 
 
 def check_flags(args: argparse.Namespace) -> argparse.Namespace:
@@ -104,6 +110,11 @@ def check_flags(args: argparse.Namespace) -> argparse.Namespace:
         check_lora_flags(args)
     if getattr(args, "num_generations", None) is not None:  # trainer/train_grpo.py
         check_grpo_flags(args)
+    low, high = DISTILLATION_TEMPERATURE
+    if getattr(args, "teacher_weight", None) is not None and not low < args.temperature <= high:  # distillation
+        raise ConfigError(f"--temperature {args.temperature}: must be in ({low}, {high:g}] for distillation (the KL "
+                          f"is scaled by T^2: below, the teacher's share of the gradient vanishes; above, both "
+                          f"distributions are near uniform and T^2 amplifies float rounding, up to NaN)")
     check_model_shape(args)
     check_paths(args)
     check_names(args)

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.hardening.elastic_store import attempt_store, setup_timeout
+from trainer.hardening.launcher_watch import exit_with_the_launcher
 
 
 class DistInfo(NamedTuple):
@@ -30,6 +31,7 @@ def init_distributed(device_flag: str) -> DistInfo:
     if "RANK" not in os.environ:
         return DistInfo(0, 0, 1, torch.device(device_flag))
     rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    exit_with_the_launcher()  # a worker outliving a killed torchrun would hold the run's directories
     # torchrun hands a restarted group the store of the group before it: keys of this attempt only.
     store = attempt_store(rank, world_size, timeout=setup_timeout())
     if device_flag.startswith("cuda"):

@@ -14,7 +14,11 @@ and the log says so, only when its holder is provably gone:
   torchrun's --rdzv-id) and its heartbeat is stale. A fresh heartbeat with our job id is waited out, up to
   STALE_AFTER_S: the previous attempt died moments ago.
 
-A thread rewrites the heartbeat every HEARTBEAT_S seconds; the lock is released at exit. Holding it, rank 0 clears
+The lock file names rank 0 only; every process of the run also holds a shared kernel lock in each directory
+(writer_lock.py), so a holder "gone" on this host is taken over only once no process of its run is left (torchrun
+killed alone left rank 1 writing while its rank 0 was gone), and a lock file removed while such a process lives
+does not let a second run in either. A thread rewrites the heartbeat every HEARTBEAT_S seconds; the lock is
+released at exit. Holding it, rank 0 clears
 killed writes' temp files and checks nothing obstructs the checkpoint paths; every rank checks it sees that lock
 (all nodes must share the checkpoint directory).
 
@@ -51,6 +55,7 @@ from output_paths import OutputPathError, create_new, output_problem
 from trainer.hardening.checkpoint_io import CheckpointError, RunFiles, atomic_write_text
 from trainer.hardening.directory_checks import check_no_obstructions, remove_stale_temp_files
 from trainer.hardening.resume_checks import ConfigError
+from trainer.hardening.writer_lock import WritersLock
 
 LOCK_NAME = "trainer.lock"
 HEARTBEAT_S = float(os.environ.get("TRAINER_HEARTBEAT_S", 15))  # tests shorten it
@@ -151,8 +156,22 @@ class DirectoryLock:
         self.seen: tuple | None = None  # the identity of the lock file last read and found ours
         self.why_lost: str | None = None  # once the lock is seen lost: the line that says so
         self._beat_or_release = threading.Lock()  # else a beat could write the lock back after the release
+        self.writers: WritersLock | None = None  # this process's shared kernel lock in the directory, once acquired
+        self.took_over_remote = False  # from a frozen node (same job id, stale heartbeat): it may still hold one
 
     def acquire(self) -> None:
+        self.writers = WritersLock(self.path.parent)
+        try:
+            self._acquire()
+            self.writers.share()
+        except BaseException:
+            self.release()  # the lock file, if this process made it, and the kernel lock
+            raise
+        if self.writers.unsupported:
+            self.log(f"WARNING: {self.writers.unsupported}: a second trainer is refused only while this run's rank 0 "
+                     f"lives, not while its other ranks do")
+
+    def _acquire(self) -> None:
         deadline = time.monotonic() + STALE_AFTER_S + 2 * HEARTBEAT_S  # the longest we wait for a stale beat
         while True:
             if time.monotonic() > deadline:  # other starters kept winning or moving it: do not loop for ever
@@ -189,6 +208,9 @@ class DirectoryLock:
                 self._remove_if_unchanged(holder)
                 continue
             tmp.unlink()
+            if not self.took_over_remote and not self.writers.only_we_hold_it():  # the lock file was removed
+                self.path.unlink()  # ours, made a moment ago: nothing watches it yet
+                raise ConfigError(self._still_written(None))
             self.held = True
             self._still_ours()  # its identity, for `lost`
             return
@@ -197,6 +219,8 @@ class DirectoryLock:
         """0: the holder is gone, take over; > 0: seconds to wait for its heartbeat to go stale; None: refuse."""
         if holder["host"] == self.record["host"]:
             if not pid_alive(int(holder["pid"]), holder.get("pid_start")):
+                if not self.writers.only_we_hold_it():  # rank 0 is gone, not every process of its run
+                    raise ConfigError(self._still_written(holder))
                 self.log(f"taking over {self.path}: its holder is gone ({describe(holder)}; not alive on this host)")
                 return 0.0
             return None
@@ -204,9 +228,16 @@ class DirectoryLock:
             age = time.time() - float(holder.get("heartbeat", 0))
             if age >= STALE_AFTER_S:
                 self.log(f"taking over {self.path}: same job id, heartbeat stale ({describe(holder)})")
+                self.took_over_remote = True  # a frozen holder's ranks may hold their kernel lock: it stops at a step
                 return 0.0
             return STALE_AFTER_S - age + 0.1
         return None
+
+    def _still_written(self, holder: dict | None) -> str:
+        gone = f"the lock's holder is gone ({describe(holder)}), but " if holder else ""
+        return (f"{self.path.parent} is in use by another trainer: {gone}a process of that run still holds "
+                f"{self.writers.path} (a rank whose torchrun was killed exits within seconds). Start this run once it "
+                f"has exited (fuser -v {self.writers.path} names it), or use another --checkpoint_dir/--save_dir")
 
     def _remove_if_unchanged(self, holder: dict) -> None:
         """Remove the lock we judged, not a newer one another starter wrote in the meantime."""
@@ -297,10 +328,13 @@ class DirectoryLock:
                 holder = read_lock(self.path)
                 if holder is not None and holder["token"] == self.record["token"]:
                     self.path.unlink()
+            if self.writers is not None:  # after the lock file: a starter then finds neither
+                self.writers.close()
 
 
 _held: list[DirectoryLock] = []  # rank 0's locks: beaten by a thread, released at exit
 _watched: list[DirectoryLock] = []  # on the other ranks, rank 0's lock of the checkpoint directory: only read
+_sharing: list[WritersLock] = []  # on the other ranks, their shared kernel lock in each directory (writer_lock.py)
 _stop_beating = threading.Event()
 
 
@@ -332,6 +366,8 @@ def release_held() -> None:
     """Release this process's locks (at exit; also called before os._exit, which skips atexit)."""
     _stop_beating.set()
     _watched.clear()
+    while _sharing:
+        _sharing.pop().close()
     while _held:
         _held.pop().release()
 
@@ -393,6 +429,9 @@ def claim_run_directories(args, run_name: str, log: Callable[[str], None]) -> No
         watched.record = seen
         watched._still_ours()  # the identity of the file it watches
         _watched.append(watched)
+        for directory in unique:  # a writer too: while it lives, no other run takes these directories
+            _sharing.append(WritersLock(directory))
+            _sharing[-1].share()
 
 
 def read_lock_or_none(path: Path) -> dict | None:
