@@ -340,9 +340,9 @@ def test_lora_serves_the_adapted_model_under_its_own_name(tmp_path, monkeypatch)
 
 # ---- what a request may hold, and the flags that bound it (a random tiny model, asked in this process) ------
 
-def tiny_server(tmp_path: Path, monkeypatch, *flags: str):
+def tiny_server(tmp_path: Path, monkeypatch, *flags: str, api_key_variable: str | None = None):
     """(exit status, FastAPI test client or None) of main() on a random tiny full_sft in `tmp_path`; its uvicorn.run
-    is replaced by a note of the app."""
+    is replaced by a note of the app. `api_key_variable`: the environment's TRAINER_API_KEY (none by default)."""
     from fastapi.testclient import TestClient
 
     import scripts.serve_openai_api as serve
@@ -353,6 +353,8 @@ def tiny_server(tmp_path: Path, monkeypatch, *flags: str):
     apps = []
     monkeypatch.setattr(serve.uvicorn, "run", lambda app, **_: apps.append(app))
     monkeypatch.delenv("TRAINER_API_KEY", raising=False)  # a key of the shell running the tests is not the test's
+    if api_key_variable is not None:
+        monkeypatch.setenv("TRAINER_API_KEY", api_key_variable)
     status = serve.main(["--weight", "full_sft", "--save_dir", str(tmp_path), "--device", "cpu", *flags])
     # Asked as a client on this machine asks, by a name the server answers to, with the JSON content type
     return status, TestClient(apps[0], base_url="http://127.0.0.1:8998",
