@@ -218,13 +218,29 @@ def plain_text(content: list, where: str) -> str:
     return "\n".join(part["text"] for part in content)
 
 
+def plain_message(message: dict, i: int) -> dict:
+    """messages[i] with each field of its JSON type, nulls and `name` (the writer's name, which the chat template has
+    no place for) left out, a content of text parts joined by newlines, an assistant's null content beside its
+    tool_calls ""."""
+    message = {key: value for key, value in message.items() if value is not None}
+    for field, kind in MESSAGE_FIELDS.items():
+        if field in message:
+            expect(message[field], kind, f"messages[{i}].{field}")
+    if message.get("role") == "tool":
+        expect(message.get("tool_call_id"), str, f"messages[{i}].tool_call_id")  # the call it answers
+    if message.get("role") == "assistant" and "tool_calls" in message:
+        message.setdefault("content", "")
+    if isinstance(message.get("content"), list):
+        message["content"] = plain_text(message["content"], f"messages[{i}].content")
+    message.pop("name", None)
+    return message
+
+
 def plain_messages(messages: list) -> list[dict]:
-    """OpenAI's messages in the schema dataset/chat_format.py checks: a content given as a list of text parts
-    becomes their texts joined by newlines; `name` (the writer's name) and null fields are left out, as the chat
-    template has no place for them; an assistant's null content beside its tool_calls is "". Each call of an
-    assistant message must be answered by one `role: "tool"` message right after it, naming it by tool_call_id, as
-    OpenAI's API requires; then the ids are left out (results are rendered in order). BadRequest names the field,
-    as OpenAI's API does (messages[1].tool_calls[0].id)."""
+    """OpenAI's messages in the schema dataset/chat_format.py checks (plain_message). Each call of an assistant
+    message must be answered by one `role: "tool"` message right after it, naming it by tool_call_id, as OpenAI's
+    API requires; then the ids are left out (results are rendered in order). BadRequest names the field, as
+    OpenAI's API does (messages[1].tool_calls[0].id)."""
     plain: list = []
     calls: list[str] = []  # the ids of the last assistant message's calls, while tool messages answer them
     answered: dict[str, int] = {}  # those answered: the index of the tool message that answers each
@@ -233,13 +249,8 @@ def plain_messages(messages: list) -> list[dict]:
         if not isinstance(message, dict):  # named by chat_format's check
             plain.append(message)
             continue
-        message = {key: value for key, value in message.items() if value is not None}
-        for field, kind in MESSAGE_FIELDS.items():
-            if field in message:
-                expect(message[field], kind, f"messages[{i}].{field}")
-        message.pop("name", None)
+        message = plain_message(message, i)
         if message.get("role") == "tool":
-            expect(message.get("tool_call_id"), str, f"messages[{i}].tool_call_id")  # the call it answers
             call_id = message.pop("tool_call_id")
             if call_id in answered:
                 raise BadRequest(f"messages[{i}].tool_call_id: {call_id!r} is answered already, by messages"
@@ -256,10 +267,7 @@ def plain_messages(messages: list) -> list[dict]:
                                  f"{', '.join(unanswered)}", f"messages[{i}].role")
             calls, answered, asked_at = [], {}, i
             if message.get("role") == "assistant" and "tool_calls" in message:
-                message.setdefault("content", "")
                 calls = tool_call_ids(message["tool_calls"], f"messages[{i}].tool_calls")
-        if isinstance(message.get("content"), list):
-            message["content"] = plain_text(message["content"], f"messages[{i}].content")
         plain.append(message)
     unanswered = [call_id for call_id in calls if call_id not in answered]
     if unanswered:  # OpenAI's API refuses it too: a call the conversation goes on from must have its result

@@ -17,6 +17,15 @@ QUESTION = json.dumps({"messages": FROG, "max_tokens": 2})
 KEY = "sk-local-7f3a"
 
 
+@pytest.fixture(scope="module")
+def http(tmp_path_factory):
+    """One test client (no key) for the tests below that need no flags."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        status, client = tiny_server(tmp_path_factory.mktemp("tiny"), monkeypatch)
+        assert status == 0
+        yield client
+
+
 def status_of(http, path: str = "/v1/models", **headers) -> int:
     return (http.post(path, content=QUESTION, headers=headers) if path.endswith("completions")
             else http.get(path, headers=headers)).status_code
@@ -47,15 +56,15 @@ def test_a_host_the_server_was_not_started_for_gets_a_421_and_its_own_names_are_
 @pytest.mark.parametrize("content_type", [None, "text/plain", "text/plain;charset=UTF-8",
                                           "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
                                           "application/jsonx"])
-def test_a_post_that_is_not_json_gets_a_415_so_a_foreign_pages_simple_request_makes_nothing(tmp_path, monkeypatch,
-                                                                                            content_type):
+def test_a_post_that_is_not_json_gets_a_415_so_a_foreign_pages_simple_request_makes_nothing(http, content_type):
     """A page on another site may POST a body with these types (or none) without asking; the body is JSON all the
     same, as an attacker would write it."""
-    status, http = tiny_server(tmp_path, monkeypatch)
-    headers = {"Content-Type": content_type} if content_type else {}
+    request = http.build_request("POST", "/v1/chat/completions", content=QUESTION)
     if content_type is None:
-        del http.headers["Content-Type"]
-    code, param, message = openai_refusal(http.post("/v1/chat/completions", content=QUESTION, headers=headers))
+        del request.headers["Content-Type"]
+    else:
+        request.headers["Content-Type"] = content_type
+    code, param, message = openai_refusal(http.send(request))
     expected = (content_type or "(none)").partition(";")[0].lower()
     assert (code, param) == (415, None) and message.startswith(f"Content-Type {expected}: the API reads JSON"), message
     answered = http.post("/v1/chat/completions", content=QUESTION,
@@ -63,8 +72,7 @@ def test_a_post_that_is_not_json_gets_a_415_so_a_foreign_pages_simple_request_ma
     assert answered.status_code == 200 and answered.json()["usage"]["completion_tokens"] > 0
 
 
-def test_no_api_docs_are_served_as_they_would_fetch_a_cdns_script(tmp_path, monkeypatch):
-    status, http = tiny_server(tmp_path, monkeypatch)
+def test_no_api_docs_are_served_as_they_would_fetch_a_cdns_script(http):
     for path in ("/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"):
         assert http.get(path).status_code == 404, path
 

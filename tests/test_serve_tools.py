@@ -102,6 +102,15 @@ def test_bad_tools_are_refused_naming_the_field(tmp_path, monkeypatch, body, par
     assert (code, got_param) == (400, param) and words in message, message
 
 
+@pytest.fixture(scope="module")
+def http(tmp_path_factory):
+    """One test client for the many refusals below (a server each would load a model each)."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        status, client = tiny_server(tmp_path_factory.mktemp("tiny"), monkeypatch)
+        assert status == 0
+        yield client
+
+
 ASKED = HISTORY[1]  # the assistant message with its one call
 CALL = ASKED["tool_calls"][0]
 
@@ -147,8 +156,7 @@ def calling(**change) -> list[dict]:
 ], ids=["id-array", "id-object", "tool_call_id-array", "type", "name-number", "arguments-object", "arguments-array",
         "arguments-number", "arguments-nan", "content-number", "name-array", "role-array", "reasoning-number",
         "two-calls-one-id", "answered-twice", "unanswered-then-user", "unanswered-at-end", "answer-after-user"])
-def test_messages_openai_refuses_get_a_400_naming_the_field(tmp_path, monkeypatch, messages, param, words):
-    status, http = tiny_server(tmp_path, monkeypatch)
+def test_messages_openai_refuses_get_a_400_naming_the_field(http, messages, param, words):
     code, got_param, message = openai_refusal(http.post("/v1/chat/completions", json={
         "messages": messages, "tools": [WEATHER], "max_tokens": 1}))
     assert (code, got_param) == (400, param) and message.startswith(f"{param}: ") and words in message, message
@@ -168,9 +176,8 @@ SCHEMA_TEXT = json.dumps({"messages": QUESTION, "max_tokens": 1, "tools": [WEATH
     (SCHEMA_TEXT.replace('"max_tokens": 1', '"max_tokens": 1, "temperature": NaN'), "temperature",
      "temperature is NaN, which JSON has no number for"),
 ], ids=["infinity", "minus-infinity", "1e999", "nan-temperature"])
-def test_nan_and_infinity_which_json_has_not_are_refused_naming_the_field(tmp_path, monkeypatch, text, param, words):
+def test_nan_and_infinity_which_json_has_not_are_refused_naming_the_field(http, text, param, words):
     """Python's json reads them (the schema went into the prompt as `Infinity`); OpenAI's API refuses them."""
-    status, http = tiny_server(tmp_path, monkeypatch)
     code, got_param, message = openai_refusal(http.post("/v1/chat/completions", content=text))
     assert (code, got_param) == (400, param) and words in message, message
     assert http.post("/v1/chat/completions", content=SCHEMA_TEXT).status_code == 200
