@@ -11,6 +11,7 @@ parses a request's body with the first.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import stat
@@ -25,11 +26,21 @@ SURROGATE = re.compile("[\ud800-\udfff]")
 MAX_NESTING = 100
 
 
-def parse_json_text(text: str) -> Any:
+def parse_json_text(text: str, allow_nan: bool = True) -> Any:
     """`json.loads(text)` for text a user brought; ValueError says what is wrong: invalid JSON, nested deeper
-    than json.loads goes, or a string holding a lone surrogate (see SURROGATE_ESCAPE), naming where."""
+    than json.loads goes, or a string holding a lone surrogate (see SURROGATE_ESCAPE), naming where. With
+    `allow_nan=False`, also a NaN, an Infinity or a number beyond a double's range (as json.dumps's allow_nan):
+    Python's json reads them, though JSON has no such numbers (RFC 8259) and other readers refuse them."""
+    non_finite = []
+
+    def number(literal: str) -> float:  # json.loads hands this every float literal, and NaN, Infinity, -Infinity
+        value = float(literal)
+        if not math.isfinite(value):
+            non_finite.append(literal)
+        return value
+
     try:
-        value = json.loads(text)
+        value = json.loads(text) if allow_nan else json.loads(text, parse_float=number, parse_constant=number)
     except ValueError as e:
         raise ValueError(f"invalid JSON ({e})") from None
     except RecursionError:
@@ -40,7 +51,25 @@ def parse_json_text(text: str) -> Any:
         problem = unusable_text(value)
         if problem is not None:
             raise ValueError(problem)
+    if non_finite:
+        raise ValueError(non_finite_number(value))
     return value
+
+
+def non_finite_number(value: Any, name: str = "") -> str | None:
+    """Where in a parsed JSON `value` (called `name`) a number is NaN or infinite, and what to do, or None."""
+    stack = [(value, name)]
+    while stack:  # a stack, not recursion: the value may nest as deep as json.loads goes
+        item, where = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            shown = "NaN" if math.isnan(item) else \
+                f"{'' if item > 0 else '-'}Infinity (or a number beyond a double's range, 1.8e308)"
+            return f"{where or 'the value'} is {shown}, which JSON has no number for; write a finite number"
+        if isinstance(item, dict):
+            stack.extend((child, f"{where}.{key}" if where else key) for key, child in reversed(item.items()))
+        elif isinstance(item, list):
+            stack.extend((child, f"{where}[{n}]") for n, child in reversed(list(enumerate(item))))
+    return None
 
 
 def unusable_text(value: Any, name: str = "") -> str | None:

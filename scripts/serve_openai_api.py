@@ -20,6 +20,11 @@ has not learned such positions. GET /v1/models states these limits.
 A bad request gets a 400 in OpenAI's error shape, naming the field; a body over --max_request_bytes (default
 1 MiB) a 413. The body is parsed and checked in a thread, so a large one does not hold up the other clients.
 A chat page over the same API is served at / (scripts/web/: open http://127.0.0.1:8998/); --no_web leaves it out.
+
+Only the server's user may use it, not a web page they visit (scripts/request_guard.py): a request's Host must name
+localhost, 127.0.0.1, [::1], --host or one of --allowed_hosts (else a 421), a POST must be application/json (else a
+415); with --api_key KEY, or better TRAINER_API_KEY=KEY in the environment (`ps` shows a command line to every user),
+each API request needs "Authorization: Bearer KEY" (else a 401): OpenAI(api_key=KEY) sends it, the page asks for it.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import queue
 import sys
 import threading
@@ -42,35 +48,17 @@ if __package__ in (None, ""):  # run as a file (python scripts/x.py): make the r
 import torch
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from fastapi.responses import StreamingResponse
 from tokenizers import Tokenizer
 
-from dataset.json_text import parse_json_text
 from dataset.tool_calls import visible_content
 from eval_model import add_model_flags, chat_encoder, chat_prompt_ids, find_weight_file, generate_ids, load_model
 from model.model import CausalLM
 from model.tokenizer import load_tokenizer
-from scripts.openai_chat import BadRequest, ToolChoice, ToolSpec, plain_messages, read_answer, reply_start_ids, \
-    tool_call_deltas, tool_setup
+from scripts.openai_chat import BadRequest, read_answer, read_chat_request, reply_start_ids, tool_call_deltas
+from scripts.request_guard import API_KEY_VARIABLE, api_key_problem, guarded, host_names, openai_error
 from scripts.web import add_chat_page
 from trainer.hardening.checkpoint_io import trained_length
-
-
-class ChatRequest(BaseModel):
-    """The fields of OpenAI's chat request read here; others ("model", "stop", ...) are ignored."""
-    # Strict, as OpenAI's API is: "max_tokens": "5", "stream": "yes" or "temperature": "0.5" get a 400 naming
-    # the field rather than a guess at what was meant; bool is no int ("max_tokens": true); a float field
-    # takes a whole number ("temperature": 1).
-    model_config = ConfigDict(strict=True)
-    messages: list[dict] = Field(min_length=1)  # each checked by dataset/chat_format.py as the prompt is built
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(0.0, ge=0.0, le=2.0)  # 0 = greedy, as in eval_model.py (and under 1e-5)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = 1  # choices: one per request is served, other values are refused rather than ignored
-    stream: bool = False
-    tools: list[ToolSpec] | None = None  # scripts/openai_chat.py: offered in the chat template's system turn
-    tool_choice: ToolChoice | None = None
 
 
 class Limits(NamedTuple):
@@ -81,11 +69,6 @@ class Limits(NamedTuple):
     trained_max_seq_len: int | None  # out/{weight}.json's max_seq_len; None: not recorded (minimind's weights)
     long_prompts: str  # --long_prompts: "refuse" or "warn" a prompt longer than trained_max_seq_len
     max_request_bytes: int  # --max_request_bytes: a larger body gets a 413
-
-
-def openai_error(status: int, message: str, param: str | None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": param,
-                                   "code": None}}, status_code=status)
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes | None:
@@ -99,27 +82,6 @@ async def read_body(request: Request, max_bytes: int) -> bytes | None:
         if len(body) > max_bytes:
             return None
     return bytes(body)
-
-
-def parse_chat_request(body: bytes) -> ChatRequest:
-    """The request a body holds; BadRequest says what is wrong with it (it is run in a thread: a body of a
-    million elements takes a tenth of a second to parse and check)."""
-    try:
-        value = parse_json_text(body.decode("utf-8"))  # invalid JSON, too deeply nested, a lone surrogate
-    except UnicodeDecodeError as error:
-        raise BadRequest(f"the request body is not UTF-8 text ({error.reason} at byte {error.start + 1})") from None
-    except ValueError as error:  # "messages[0].content holds a lone surrogate ...": that field is named
-        raise BadRequest(f"the request body holds {error}" if str(error).startswith("invalid JSON") else str(error),
-                         "messages" if str(error).startswith("messages") else None) from None
-    if not isinstance(value, dict):
-        raise BadRequest(f'the request body must be a JSON object {{"messages": [...], ...}}, not '
-                         f"{type(value).__name__}")
-    try:
-        return ChatRequest.model_validate(value)
-    except ValidationError as error:
-        first = error.errors()[0]
-        field = ".".join(str(part) for part in first["loc"]) or None
-        raise BadRequest(f"{field or 'the request body'}: {first['msg']}", field) from None
 
 
 # ---- generation, token by token -----------------------------------------------------------------
@@ -231,7 +193,7 @@ def grown(parts: tuple[str, str], sent: tuple[str, str]) -> dict[str, str]:
 # ---- the app ------------------------------------------------------------------------------------
 
 def create_app(model: CausalLM, tokenizer: Tokenizer, model_id: str, limits: Limits) -> FastAPI:
-    app = FastAPI(title=model_id)
+    app = FastAPI(title=model_id, docs_url=None, redoc_url=None, openapi_url=None)  # their pages load a CDN's script
     lock = threading.Lock()  # one model: one generation at a time, the others wait their turn
     positions = model.config.max_position_embeddings
     decode = chat_encoder(tokenizer).decode
@@ -248,23 +210,12 @@ def create_app(model: CausalLM, tokenizer: Tokenizer, model_id: str, limits: Lim
             return openai_error(413, f"the request body is longer than this server reads, {limits.max_request_bytes} "
                                      f"bytes (--max_request_bytes)", None)
         try:  # in a thread: the event loop goes on answering the other clients meanwhile
-            body = await asyncio.to_thread(parse_chat_request, raw)
-        except BadRequest as error:
-            return openai_error(400, error.message, error.param)
-        if body.n != 1:
-            return openai_error(400, f"n: {body.n} asked; this server writes one choice per request (n=1): for "
-                                     f"several answers, send several requests", "n")
-        if (body.max_tokens or 0) > limits.max_tokens_limit:
-            return openai_error(400, f"max_tokens: {body.max_tokens} asked; this server writes at most "
-                                     f"{limits.max_tokens_limit} tokens per reply (--max_tokens_limit)", "max_tokens")
-        try:
-            tools = tool_setup(body.tools, body.tool_choice)  # the tools offered, and how the reply starts
+            body, tools, messages = await asyncio.to_thread(read_chat_request, raw, limits.max_tokens_limit)
         except BadRequest as error:
             return openai_error(400, error.message, error.param)
         try:  # the project's one chat template, as in training and eval_model.py; in a thread, as a long
             # prompt takes seconds to tokenize and the other clients are answered meanwhile
-            prompt_ids = await asyncio.to_thread(lambda: chat_prompt_ids(tokenizer, plain_messages(body.messages),
-                                                                         tools.specs)
+            prompt_ids = await asyncio.to_thread(lambda: chat_prompt_ids(tokenizer, messages, tools.specs)
                                                  + reply_start_ids(tokenizer, tools.reply_start))
         except ValueError as error:
             return openai_error(400, f"messages: {error}", "messages")
@@ -361,6 +312,8 @@ def flag_problem(args: argparse.Namespace) -> str | None:
         return f"--request_time_limit {args.request_time_limit}: give a number of seconds above 0 (default 120)"
     if args.max_request_bytes < 1:
         return f"--max_request_bytes {args.max_request_bytes}: give a number of bytes above 0 (default {2**20})"
+    if args.api_key is not None and (why := api_key_problem(args.api_key)):  # the key itself is not shown
+        return f"--api_key (or {API_KEY_VARIABLE}): {why}"
     return None
 
 
@@ -368,7 +321,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Serve a model from out/ over the OpenAI chat API")
     add_model_flags(p)  # --weight, --save_dir, --tokenizer_path, the size flags, --device: as eval_model.py
     p.add_argument("--lora", default=None, help="NAME: serve --weight with the adapter out/lora_{NAME}_{hidden}.pth")
-    p.add_argument("--host", default="127.0.0.1", help="127.0.0.1: this machine only; 0.0.0.0: the network too")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="127.0.0.1: this machine only; 0.0.0.0 with --allowed_hosts: the network too")
+    p.add_argument("--allowed_hosts", nargs="+", default=[], metavar="NAME",
+                   help="names clients reach the server by, besides localhost, 127.0.0.1, [::1] and --host: a request "
+                        "whose Host header names another gets a 421 (a web page on another domain may not use it)")
+    p.add_argument("--api_key", default=os.environ.get(API_KEY_VARIABLE), metavar="KEY",
+                   help=f"every API request must send \"Authorization: Bearer KEY\" (else a 401); the chat page asks "
+                        f"for it. Better: set {API_KEY_VARIABLE}=KEY, which `ps` does not show")
     p.add_argument("--port", type=int, default=8998)
     p.add_argument("--max_new_tokens", type=int, default=512, help="max_tokens of a request that gives none")
     p.add_argument("--max_tokens_limit", type=int, default=2048, help="the largest max_tokens a request may ask")
@@ -404,7 +364,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_web:
         add_chat_page(app)
         print(f"chat page: http://{args.host}:{args.port}/", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port)
+    names = host_names(args.host, args.allowed_hosts)
+    print(f"answers to Host: {', '.join(sorted(names))} (--allowed_hosts); API key: "
+          f"{'required' if args.api_key else f'none (--api_key or {API_KEY_VARIABLE})'}", file=sys.stderr)
+    uvicorn.run(guarded(app, names, args.api_key), host=args.host, port=args.port)
     return 0
 
 

@@ -14,6 +14,7 @@ page as the first test leaves it to docs/chat_page.png, the README's picture.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import subprocess
@@ -41,6 +42,7 @@ CONVERSATIONS = [[{"role": "user", "content": FRANCE}, {"role": "assistant", "co
                   {"role": "assistant", "reasoning_content": "Python.", "content": PRINT_ANSWER}]]
 CONVERSATIONS.append([*CONVERSATIONS[1], *CONVERSATIONS[4]])  # a second turn: the tiny model learns no other
 TIME_LIMIT_S, MAX_REQUEST_BYTES = 4, 2000
+KEY = "sk-page-4c1e"  # the keyed server's TRAINER_API_KEY
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +70,8 @@ def browser():
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """The base URL of the server on the tiny model, on a free 127.0.0.1 port; terminated at the end."""
+def trained(tmp_path_factory) -> Path:
+    """The out/ folder of the tiny model trained on CONVERSATIONS."""
     root = tmp_path_factory.mktemp("chat_page")
     data = root / "page.jsonl"
     data.write_text("".join(json.dumps({"conversations": c}, ensure_ascii=False) + "\n" for c in CONVERSATIONS * 8),
@@ -77,21 +79,65 @@ def served(tmp_path_factory):
     train("train_full_sft.py", None, run_args(root, data, "--from_weight", "none", "--batch_size", "8", "--epochs",
                                               "30", "--learning_rate", "1e-2", "--warmup_ratio", "0",
                                               "--max_seq_len", "96"), root)
+    return root / "out"
+
+
+def start_server(out: Path, port: int, time_limit_s: float, **env: str) -> subprocess.Popen:
+    """The server on the tiny model, on 127.0.0.1:`port`, its log in out/server_PORT.log."""
+    return subprocess.Popen([sys.executable, str(REPO / "scripts" / "serve_openai_api.py"), "--weight", "full_sft",
+                             "--save_dir", str(out), "--device", "cpu", "--port", str(port), "--max_tokens_limit",
+                             "30000", "--request_time_limit", str(time_limit_s), "--max_request_bytes",
+                             str(MAX_REQUEST_BYTES)], cwd=out, env=child_env(**env),
+                            stdout=open(out / f"server_{port}.log", "w"), stderr=subprocess.STDOUT)
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    server.terminate()
+    server.wait(timeout=15)
+    server.stdout and server.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def served(trained):
+    """The base URL of the server on the tiny model, on a free 127.0.0.1 port; terminated at the end."""
     port = free_port()
-    log = open(root / "server.log", "w+")
-    server = subprocess.Popen([sys.executable, str(REPO / "scripts" / "serve_openai_api.py"), "--weight", "full_sft",
-                               "--save_dir", str(root / "out"), "--device", "cpu", "--port", str(port),
-                               "--max_tokens_limit", "30000", "--request_time_limit", str(TIME_LIMIT_S),
-                               "--max_request_bytes", str(MAX_REQUEST_BYTES)],
-                              cwd=root, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
+    server = start_server(trained, port, TIME_LIMIT_S)
     try:
-        wait_for_server(server, base, Path(log.name))
-        yield base
+        wait_for_server(server, f"http://127.0.0.1:{port}", trained / f"server_{port}.log")
+        yield f"http://127.0.0.1:{port}"
     finally:
-        server.terminate()
-        server.wait(timeout=15)
-        log.close()
+        stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def keyed(trained):
+    """(base URL, port) of a second server on the tiny model, its key KEY in TRAINER_API_KEY and its time limit an
+    hour (so that only Stop can end a long reply there); terminated at the end."""
+    port = free_port()
+    server = start_server(trained, port, 3600, TRAINER_API_KEY=KEY)
+    try:
+        deadline = time.time() + 60
+        while status_at(port, "localhost") is None:  # any answer (a 401: no key is sent) says it is up
+            log = (trained / f"server_{port}.log").read_text()
+            assert server.poll() is None, f"the server exited {server.returncode}:\n{log}"
+            assert time.time() < deadline, f"the server did not answer in 60 s:\n{log}"
+            time.sleep(0.2)
+        yield f"http://127.0.0.1:{port}", port
+    finally:
+        stop_server(server)
+
+
+def status_at(port: int, host: str, **headers: str) -> int | None:
+    """The status of GET /v1/models sent to 127.0.0.1:`port` with the Host header `host`; None if none answers."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        connection.request("GET", "/v1/models", headers={"Host": host, **headers})
+        with connection.getresponse() as response:
+            return response.status
+    except OSError:
+        return None
+    finally:
+        connection.close()
 
 
 # ---- driving the page -----------------------------------------------------------------------------
@@ -117,9 +163,21 @@ def messages(driver) -> list[str]:
     return [node.text for node in driver.find_elements(*by("#messages .message"))]
 
 
-def open_page(driver, base: str, lang: str = "en") -> None:
+def open_page(driver, base: str, lang: str = "en", key: str | None = None) -> None:
+    """The page at `base`, once it shows the model's name; `key` typed in if the page asks for one."""
     driver.get(f"{base}/?lang={lang}")
+    if key is not None:  # asked for once: the page keeps it for the tab (sessionStorage)
+        wait_for(driver, lambda d: d.find_element(*by("#model")).text == "full_sft_32"
+                 or d.find_element(*by("#key-form")).is_displayed())
+        if driver.find_element(*by("#key-form")).is_displayed():
+            enter_key(driver, key)
     wait_for(driver, lambda d: d.find_element(*by("#model")).text == "full_sft_32")
+
+
+def enter_key(driver, key: str) -> None:
+    from selenium.webdriver.common.keys import Keys
+
+    driver.find_element(*by("#api-key")).send_keys(key, Keys.ENTER)
 
 
 def ask(driver, text: str) -> None:
@@ -189,9 +247,39 @@ def test_a_question_streams_in_the_next_turn_carries_the_conversation_and_the_th
         browser.save_screenshot(str(REPO / "docs" / "chat_page.png"))
 
 
-def test_stop_ends_a_long_reply_streaming_in_and_frees_the_model(browser, served):
-    open_page(browser, served)
-    set_setting(browser, "max_tokens", "30000")  # unstopped, minutes of "la"; the time limit ends it at 4 s
+def test_the_send_button_stays_on_one_line_in_chinese_and_chinese_is_drawn_in_a_font_the_page_names(browser, served):
+    """Before, 发送 broke between its two characters (a flex item shrinks to its narrowest, and Chinese may break
+    anywhere), a button two lines high even 1,100 px wide. Chinese shows as empty boxes without a CJK font: the
+    font that draws it must be one chat.css names (Debian's fonts-noto-cjk or fonts-wqy-microhei)."""
+    browser.set_window_size(1100, 800)
+    try:
+        open_page(browser, served, "zh")
+        send = browser.find_element(*by("#send"))
+        assert send.text == "发送"
+        lines = browser.execute_script("""
+            const style = getComputedStyle(arguments[0]), px = (name) => parseFloat(style[name]);
+            const text = arguments[0].getBoundingClientRect().height - px("paddingTop") - px("paddingBottom")
+                - px("borderTopWidth") - px("borderBottomWidth");
+            return text / px("lineHeight");""", send)
+        assert round(lines, 2) == 1, lines
+    finally:
+        browser.set_window_size(1000, 800)
+    browser.execute_cdp_cmd("DOM.enable", {})
+    browser.execute_cdp_cmd("CSS.enable", {})
+    root = browser.execute_cdp_cmd("DOM.getDocument", {})["root"]["nodeId"]
+    node = browser.execute_cdp_cmd("DOM.querySelector", {"nodeId": root, "selector": "#send"})["nodeId"]
+    drawn = browser.execute_cdp_cmd("CSS.getPlatformFontsForNode", {"nodeId": node})["fonts"]  # what drew 发送
+    named = [name.strip(' "') for name in
+             browser.execute_script("return getComputedStyle(arguments[0]).fontFamily", send).split(",")]
+    # a CJK font installed (fonts-noto-cjk or fonts-wqy-microhei) and named by chat.css drew both characters
+    assert sum(font["glyphCount"] for font in drawn) == 2 and all(font["familyName"] in named for font in drawn), drawn
+
+
+def test_stop_ends_a_long_reply_streaming_in_and_frees_the_model(browser, keyed):
+    """On the server whose time limit is an hour: unstopped, the 30,000 tokens of "la" would hold the model for
+    minutes (the next question waiting behind them), so only Stop can have freed it."""
+    open_page(browser, keyed[0], key=KEY)
+    set_setting(browser, "max_tokens", "30000")
     ask(browser, "Sing.")
     answer = wait_for(browser, lambda d: d.find_elements(*by(".message.assistant .answer")))[0]
     lengths = [len(wait_for(browser, lambda d: answer.text))]
@@ -199,17 +287,51 @@ def test_stop_ends_a_long_reply_streaming_in_and_frees_the_model(browser, served
         lengths.append(wait_for(browser, lambda d: len(answer.text) > lengths[-1] and len(answer.text)))
     assert answer.text.startswith("la la")
     browser.find_element(*by("#stop")).click()
-    stopped = time.time()
     reply = wait_for(browser, lambda d: reply_done(d, 1))
     assert reply.find_element(*by(".note")).text == "Stopped."
-    shown = answer.text
-    time.sleep(0.3)
-    assert answer.text == shown  # nothing more came
+    shown = browser.execute_script("window.stoppedAnswer = arguments[0]; return arguments[0].textContent", answer)
     set_setting(browser, "max_tokens", "")
-    browser.find_element(*by("#new-chat")).click()
+    browser.find_element(*by("#new-chat")).click()  # takes the stopped reply off the page (the script still has it)
+    ask(browser, FRANCE)
+    assert wait_for(browser, lambda d: reply_done(d, 1)).find_element(*by(".answer")).text == "Paris"  # freed
+    assert browser.execute_script("return window.stoppedAnswer.textContent") == shown  # and it grew no more
+
+
+def test_the_page_asks_for_the_servers_key_once_and_sends_it(browser, keyed):
+    base, port = keyed
+    browser.get(f"{base}/?lang=en")
+    browser.execute_script("sessionStorage.clear()")  # as a new tab: an earlier test may have given the key
+    browser.get(f"{base}/?lang=en")
+    label = wait_for(browser, lambda d: d.find_element(*by("#key-form")).is_displayed()
+                     and d.find_element(*by("#key-label")))
+    assert label.text == "This server asks for its API key (--api_key):"
+    assert browser.find_element(*by("#model")).text == "connecting…" and messages(browser) == []
+    enter_key(browser, "sk-guess")
+    wait_for(browser, lambda d: d.find_element(*by("#key-form")).is_displayed() and "did not take" in label.text)
+    enter_key(browser, KEY)
+    wait_for(browser, lambda d: d.find_element(*by("#model")).text == "full_sft_32")
+    assert not browser.find_element(*by("#key-form")).is_displayed()
     ask(browser, FRANCE)
     assert wait_for(browser, lambda d: reply_done(d, 1)).find_element(*by(".answer")).text == "Paris"
-    assert time.time() - stopped < TIME_LIMIT_S - 1  # sooner than the time limit would have freed the model
+    open_page(browser, base)  # reloaded: the key is kept for the tab, not asked again
+    assert not browser.find_element(*by("#key-form")).is_displayed()
+
+
+def test_the_official_client_is_served_with_the_key_and_a_foreign_host_is_refused(keyed):
+    """Plain HTTP and the `openai` client against the real server (uvicorn), its key in TRAINER_API_KEY."""
+    import openai
+
+    base, port = keyed
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list()] == ["full_sft_32"]
+    reply = client.chat.completions.create(model="full_sft_32", messages=CONVERSATIONS[0][:1])
+    assert reply.choices[0].message.content == "Paris"
+    with pytest.raises(openai.AuthenticationError) as refused:
+        openai.OpenAI(base_url=f"{base}/v1", api_key="sk-guess", max_retries=0, timeout=60).models.list()
+    assert refused.value.status_code == 401 and refused.value.body["code"] == "invalid_api_key"
+    key = {"Authorization": f"Bearer {KEY}"}
+    assert status_at(port, f"localhost:{port}", **key) == 200 and status_at(port, f"[::1]:{port}", **key) == 200
+    assert status_at(port, f"rebound.example:{port}", **key) == 421  # a page whose DNS now says 127.0.0.1: even with the key
 
 
 def test_the_time_limit_and_refused_requests_are_shown_as_messages_and_not_kept(browser, served):

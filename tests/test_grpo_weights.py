@@ -111,7 +111,7 @@ def test_the_server_lists_the_grpo_model_and_its_whole_reply_is_eval_models_answ
     apps = []
     monkeypatch.setattr(serve.uvicorn, "run", lambda app, **_: apps.append(app))
     assert serve.main(["--weight", "grpo", "--save_dir", str(grpo_out), "--device", "cpu"]) == 0
-    http = TestClient(apps[0])
+    http = TestClient(apps[0], base_url="http://127.0.0.1:8998")  # a name the server answers to
     [listed] = http.get("/v1/models").json()["data"]
     assert listed["id"] == "grpo_32" and listed["trained_max_seq_len"] == 48  # read from out/grpo_32.json
     request = {"model": "grpo_32", "messages": [{"role": "user", "content": QUESTION}], "temperature": 0,

@@ -306,7 +306,7 @@ def test_text_parts_and_a_name_are_read_as_openai_sends_them(served):
     with pytest.raises(BadRequestError) as refused:
         client(base).chat.completions.create(model="full_sft", messages=image, max_tokens=2)
     param, message = refusal(refused.value)
-    assert param == "messages" and "message 1: content part 1 is not" in message
+    assert param == "messages[0].content[0]" and message.startswith('messages[0].content[0]: expected {"type": "text"')
 
 
 def test_lora_serves_the_adapted_model_under_its_own_name(tmp_path, monkeypatch):
@@ -324,7 +324,7 @@ def test_lora_serves_the_adapted_model_under_its_own_name(tmp_path, monkeypatch)
     monkeypatch.setattr(serve.uvicorn, "run", lambda app, **_: apps.append(app))
     argv = ["--weight", "full_sft", "--save_dir", str(tmp_path), "--device", "cpu", "--lora", "demo"]
     assert serve.main(argv) == 0
-    http = TestClient(apps[0])
+    http = TestClient(apps[0], base_url="http://127.0.0.1:8998")  # a name the server answers to
     assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["full_sft_32+lora_demo"]
     reply = http.post("/v1/chat/completions", json={"messages": FROG, "max_tokens": 6}).json()
 
@@ -340,9 +340,9 @@ def test_lora_serves_the_adapted_model_under_its_own_name(tmp_path, monkeypatch)
 
 # ---- what a request may hold, and the flags that bound it (a random tiny model, asked in this process) ------
 
-def tiny_server(tmp_path: Path, monkeypatch, *flags: str):
+def tiny_server(tmp_path: Path, monkeypatch, *flags: str, api_key_variable: str | None = None):
     """(exit status, FastAPI test client or None) of main() on a random tiny full_sft in `tmp_path`; its uvicorn.run
-    is replaced by a note of the app."""
+    is replaced by a note of the app. `api_key_variable`: the environment's TRAINER_API_KEY (none by default)."""
     from fastapi.testclient import TestClient
 
     import scripts.serve_openai_api as serve
@@ -352,8 +352,13 @@ def tiny_server(tmp_path: Path, monkeypatch, *flags: str):
         write_base(tmp_path, tiny_config())
     apps = []
     monkeypatch.setattr(serve.uvicorn, "run", lambda app, **_: apps.append(app))
+    monkeypatch.delenv("TRAINER_API_KEY", raising=False)  # a key of the shell running the tests is not the test's
+    if api_key_variable is not None:
+        monkeypatch.setenv("TRAINER_API_KEY", api_key_variable)
     status = serve.main(["--weight", "full_sft", "--save_dir", str(tmp_path), "--device", "cpu", *flags])
-    return status, TestClient(apps[0]) if apps else None
+    # Asked as a client on this machine asks, by a name the server answers to, with the JSON content type
+    return status, TestClient(apps[0], base_url="http://127.0.0.1:8998",
+                              headers={"Content-Type": "application/json"}) if apps else None
 
 
 def openai_refusal(response) -> tuple[int, str | None, str]:

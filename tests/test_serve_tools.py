@@ -90,15 +90,97 @@ def test_a_malformed_call_comes_back_as_the_text_the_model_wrote(tmp_path, monke
     ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice", 'expected "auto", "none"'),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "shell"}}}, "tool_choice",
      "'shell' is not a function of `tools` (get_weather)"),
-    ({"messages": [*HISTORY[:2], {**HISTORY[2], "tool_call_id": "call_other"}]}, "messages",
-     "message 3: tool_call_id 'call_other' names no call of the assistant message before it (call_abc)"),
-    ({"messages": [*QUESTION, {"role": "tool", "content": "18"}]}, "messages", "message 2: tool_call_id None"),
+    ({"messages": [*HISTORY[:2], {**HISTORY[2], "tool_call_id": "call_other"}]}, "messages[2].tool_call_id",
+     "messages[2].tool_call_id: 'call_other' names no call of the assistant message before it (call_abc)"),
+    ({"messages": [*QUESTION, {"role": "tool", "content": "18"}]}, "messages[1].tool_call_id",
+     "messages[1].tool_call_id: expected a string, got null"),
 ])
 def test_bad_tools_are_refused_naming_the_field(tmp_path, monkeypatch, body, param, words):
     status, http = tiny_server(tmp_path, monkeypatch)
     code, got_param, message = openai_refusal(http.post("/v1/chat/completions",
                                                         json={"messages": QUESTION, "max_tokens": 1, **body}))
     assert (code, got_param) == (400, param) and words in message, message
+
+
+@pytest.fixture(scope="module")
+def http(tmp_path_factory):
+    """One test client for the many refusals below (a server each would load a model each)."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        status, client = tiny_server(tmp_path_factory.mktemp("tiny"), monkeypatch)
+        assert status == 0
+        yield client
+
+
+ASKED = HISTORY[1]  # the assistant message with its one call
+CALL = ASKED["tool_calls"][0]
+
+
+def calling(**change) -> list[dict]:
+    """HISTORY with a field of the call changed (a key of CALL, or of CALL["function"] as "function.KEY")."""
+    call = {**CALL, "function": dict(CALL["function"])}
+    for key, value in change.items():
+        (call["function"] if key.startswith("function_") else call)[key.removeprefix("function_")] = value
+    return [*QUESTION, {**ASKED, "tool_calls": [call]}, HISTORY[2]]
+
+
+@pytest.mark.parametrize("messages, param, words", [
+    # before: a 500, TypeError: unhashable type: 'list' (the ids were put in a set)
+    (calling(id=["x"]), "messages[1].tool_calls[0].id", "expected a string, got an array"),
+    (calling(id={"x": 1}), "messages[1].tool_calls[0].id", "expected a string, got an object"),
+    ([*HISTORY[:2], {**HISTORY[2], "tool_call_id": ["call_abc"]}], "messages[2].tool_call_id", "got an array"),
+    (calling(type="fn"), "messages[1].tool_calls[0].type", 'expected "function"'),
+    (calling(function_name=7), "messages[1].tool_calls[0].function.name", "expected a string, got a number"),
+    (calling(function_arguments={"city": "Lima"}), "messages[1].tool_calls[0].function.arguments",
+     "expected a string, got an object"),
+    (calling(function_arguments="[1, 2]"), "messages[1].tool_calls[0].function.arguments",
+     "holds an array; expected a JSON object of the arguments by name"),
+    (calling(function_arguments="3"), "messages[1].tool_calls[0].function.arguments", "holds a number; expected"),
+    (calling(function_arguments='{"city": NaN}'), "messages[1].tool_calls[0].function.arguments", "city is NaN"),
+    ([{"role": "user", "content": 5}], "messages[0].content", "expected a string or an array, got a number"),
+    ([{"role": "user", "content": "hi", "name": ["ana"]}], "messages[0].name", "expected a string, got an array"),
+    ([{"role": ["user"], "content": "hi"}], "messages[0].role", "expected a string, got an array"),
+    ([*QUESTION, {"role": "assistant", "content": "", "reasoning_content": 1}], "messages[1].reasoning_content",
+     "expected a string, got a number"),
+    # the same call twice, or one call answered twice
+    ([*QUESTION, {**ASKED, "tool_calls": [CALL, CALL]}, HISTORY[2], HISTORY[2]], "messages[1].tool_calls[1].id",
+     "'call_abc' is also the id of messages[1].tool_calls[0]"),
+    ([*HISTORY, HISTORY[2]], "messages[3].tool_call_id", "'call_abc' is answered already, by messages[2]"),
+    # a call no tool message answers, as the conversation goes on or ends (OpenAI's API refuses both)
+    ([*HISTORY[:2], {"role": "user", "content": "And in Quito?"}], "messages[2].role",
+     "an assistant message with tool_calls (messages[1]) must be followed by a tool message answering each call; "
+     "not answered: call_abc"),
+    ([*QUESTION, {**ASKED, "tool_calls": [CALL, {**CALL, "id": "call_b"}]}, HISTORY[2]], "messages[1].tool_calls",
+     "not answered: call_b"),
+    ([*HISTORY, {"role": "user", "content": "Thanks"}, HISTORY[2]], "messages[4].tool_call_id",
+     "'call_abc' names no call of the assistant message before it (none)"),
+], ids=["id-array", "id-object", "tool_call_id-array", "type", "name-number", "arguments-object", "arguments-array",
+        "arguments-number", "arguments-nan", "content-number", "name-array", "role-array", "reasoning-number",
+        "two-calls-one-id", "answered-twice", "unanswered-then-user", "unanswered-at-end", "answer-after-user"])
+def test_messages_openai_refuses_get_a_400_naming_the_field(http, messages, param, words):
+    code, got_param, message = openai_refusal(http.post("/v1/chat/completions", json={
+        "messages": messages, "tools": [WEATHER], "max_tokens": 1}))
+    assert (code, got_param) == (400, param) and message.startswith(f"{param}: ") and words in message, message
+    assert prompt_tokens(http, messages=HISTORY, tools=[WEATHER]) > 0  # the round trip done right is served
+
+
+SCHEMA_TEXT = json.dumps({"messages": QUESTION, "max_tokens": 1, "tools": [WEATHER]})
+
+
+@pytest.mark.parametrize("text, param, words", [
+    (SCHEMA_TEXT.replace('"required"', '"maxLength": Infinity, "required"'), "tools",
+     "tools[0].function.parameters.maxLength is Infinity"),
+    (SCHEMA_TEXT.replace('{"type": "string"}', '{"type": "number", "minimum": -Infinity}'), "tools",
+     "tools[0].function.parameters.properties.city.minimum is -Infinity"),
+    (SCHEMA_TEXT.replace('{"type": "string"}', '{"type": "number", "maximum": 1e999}'), "tools",
+     "city.maximum is Infinity (or a number beyond a double's range"),
+    (SCHEMA_TEXT.replace('"max_tokens": 1', '"max_tokens": 1, "temperature": NaN'), "temperature",
+     "temperature is NaN, which JSON has no number for"),
+], ids=["infinity", "minus-infinity", "1e999", "nan-temperature"])
+def test_nan_and_infinity_which_json_has_not_are_refused_naming_the_field(http, text, param, words):
+    """Python's json reads them (the schema went into the prompt as `Infinity`); OpenAI's API refuses them."""
+    code, got_param, message = openai_refusal(http.post("/v1/chat/completions", content=text))
+    assert (code, got_param) == (400, param) and words in message, message
+    assert http.post("/v1/chat/completions", content=SCHEMA_TEXT).status_code == 200
 
 
 # ---- the whole loop, with the official client, on a model that calls the tool (slow) ----------------------

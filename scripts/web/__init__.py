@@ -28,4 +28,4 @@ def add_chat_page(app: FastAPI) -> None:
     async def page_file(name: str) -> FileResponse:
         if name not in FILES:
             raise HTTPException(404)
-        return FileResponse(WEB_DIR / name, headers={"X-Content-Type-Options": "nosniff"})
+        return FileResponse(WEB_DIR / name)  # nosniff, as every response: scripts/request_guard.py

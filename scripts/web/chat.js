@@ -1,7 +1,8 @@
 // The chat page: a conversation with the served model over its own /v1/chat/completions, streamed. The whole
 // conversation is sent with each question (the server keeps nothing between requests); Stop aborts the fetch,
 // and the server, seeing its client gone, stops generating. The think text (reasoning_content) is shown folded
-// apart from the answer; tool calls, when a reply has them, folded too. Errors are shown as messages.
+// apart from the answer; tool calls, when a reply has them, folded too. Errors are shown as messages. A server
+// started with --api_key answers 401: the page then asks for the key once and sends it with each request.
 "use strict";
 
 const TEXT = {
@@ -11,6 +12,8 @@ const TEXT = {
     temperature: "Temperature (0: greedy)", max_tokens: "Max tokens", send: "Send", stop: "Stop",
     input_placeholder: "Ask something. Enter sends, Shift+Enter starts a new line.",
     thinking: "Thinking", tool_call: "Tool call", stopped: "Stopped.",
+    key_needed: "This server asks for its API key (--api_key):", use_key: "Use key",
+    key_wrong: "The server did not take that key. Its API key (--api_key):",
     no_models: (m) => `The server does not answer: ${m}`,
     refused: (status, m) => `The server refused the request (${status}): ${m}`,
     unreachable: (m) => `The server could not be reached: ${m}`,
@@ -27,6 +30,8 @@ const TEXT = {
     temperature: "温度（0：贪心）", max_tokens: "最大 token 数", send: "发送", stop: "停止",
     input_placeholder: "输入问题。Enter 发送，Shift+Enter 换行。",
     thinking: "思考过程", tool_call: "工具调用", stopped: "已停止。",
+    key_needed: "此服务器需要 API 密钥（--api_key）：", use_key: "使用密钥",
+    key_wrong: "服务器未接受该密钥。请输入它的 API 密钥（--api_key）：",
     no_models: (m) => `服务器没有响应：${m}`,
     refused: (status, m) => `服务器拒绝了请求（${status}）：${m}`,
     unreachable: (m) => `无法连接服务器：${m}`,
@@ -45,6 +50,7 @@ let limits = null; // GET /v1/models: the served model's limits
 let history = []; // the conversation so far: {role, content}, the system prompt apart
 let controller = null; // the reply being streamed: its AbortController
 let chatNumber = 0; // a new chat makes a reply still ending belong to no conversation
+let apiKey = sessionStorage.getItem("chat.api_key"); // the server's --api_key, once asked: kept for this tab only
 
 const t = (key) => TEXT[language][key];
 
@@ -73,6 +79,16 @@ function applyLanguage() {
   for (const node of document.querySelectorAll("[data-placeholder]")) node.placeholder = t(node.dataset.placeholder);
   $("language").textContent = t("language");
   $("limits").textContent = limits ? t("limits")(limits) : "";
+}
+
+// With the key, when the page has one: "Authorization: Bearer KEY", as OpenAI's clients send it.
+const withKey = (headers) => (apiKey === null ? headers : { ...headers, Authorization: `Bearer ${apiKey}` });
+
+function askForKey() {
+  $("key-label").dataset.text = apiKey === null ? "key_needed" : "key_wrong";
+  $("key-label").textContent = t($("key-label").dataset.text);
+  $("key-form").hidden = false;
+  $("api-key").focus();
 }
 
 // ---- one reply, as its chunks arrive --------------------------------------------------------------
@@ -174,8 +190,9 @@ async function send(text) {
   let usage = null;
   try {
     const response = await fetch("v1/chat/completions", { method: "POST", body: JSON.stringify(body),
-      headers: { "Content-Type": "application/json" }, signal: controller.signal });
+      headers: withKey({ "Content-Type": "application/json" }), signal: controller.signal });
     if (!response.ok) { // 400 naming the field, 413 naming --max_request_bytes: the question is not kept
+      if (response.status === 401) askForKey();
       view.box.replaceWith(element("div", "message error", t("refused")(response.status, await errorText(response))));
       return;
     }
@@ -239,14 +256,29 @@ $("language").addEventListener("click", () => {
   applyLanguage();
 });
 
+$("key-form").addEventListener("submit", (event) => {
+  event.preventDefault();
+  apiKey = $("api-key").value.trim();
+  sessionStorage.setItem("chat.api_key", apiKey);
+  $("api-key").value = "";
+  $("key-form").hidden = true;
+  loadModel();
+});
+
+function loadModel() {
+  fetch("v1/models", { headers: withKey({}) }).then(async (response) => {
+    if (response.status === 401) return askForKey();
+    if (!response.ok) throw new Error(`${response.status}: ${await errorText(response)}`);
+    const model = (await response.json()).data[0];
+    limits = model;
+    const label = $("model");
+    delete label.dataset.text;
+    label.textContent = model.id;
+    $("max_tokens").placeholder = model.max_tokens_default;
+    $("max_tokens").max = model.max_tokens_limit;
+    applyLanguage();
+  }).catch((error) => addMessage("error", t("no_models")(error.message)));
+}
+
 applyLanguage();
-fetch("v1/models").then((response) => response.json()).then((list) => {
-  const model = list.data[0];
-  limits = model;
-  const label = $("model");
-  delete label.dataset.text;
-  label.textContent = model.id;
-  $("max_tokens").placeholder = model.max_tokens_default;
-  $("max_tokens").max = model.max_tokens_limit;
-  applyLanguage();
-}).catch((error) => addMessage("error", t("no_models")(error.message)));
+loadModel();
