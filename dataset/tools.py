@@ -18,11 +18,12 @@ or returns what is not JSON (or too much of it) is a failed call: one line namin
 the caller decides what a failed call costs (eval_tools.py scores the item as failed and goes on; agentic GRPO's
 model reads it as {"error": that line}: error_text).
 
-What bounds a tool, yours too (any Tool in the `tools` run_tool is given):
-- time: TIME_LIMIT_S, then its process is killed;
+What bounds a tool, yours too: Tool(spec, function) in the `tools` given to run_tool (eval_tools.py and agentic
+GRPO run DEMO_TOOLS: add it there), its function called in a child process forked from the caller, with
+- time: TIME_LIMIT_S, then its process group is killed;
 - memory: on Linux, MEMORY_LIMIT_BYTES of address space beyond what its process held when it started
-  (RLIMIT_AS: an allocation past it raises MemoryError, or ends the process); elsewhere there is none, and the
-  first call warns so;
+  (RLIMIT_AS: an allocation past it raises MemoryError, or ends the process; a process it starts inherits the
+  same limit); elsewhere there is none, and run_tool warns so (once from each line that calls it);
 - processes: the call runs in its own session and process group, and the whole group is killed when the call
   ends, answered or not, so a process the tool started dies with it (one that leaves the group, by setsid or as
   a daemon, is not followed);
