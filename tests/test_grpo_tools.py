@@ -231,7 +231,7 @@ CALCULATOR_PARAMETERS = DEMO_TOOLS["calculator"].spec["function"]["parameters"]
                                                                "schema"),
     ({"type": "object", "properties": {"expression": {"type": "string"}}},
      'parameters.required is missing (the tool\'s: ["expression"])'),
-])
+], ids=["another_type", "a_keyword_more", "a_keyword_less"])
 def test_a_prompt_showing_other_parameters_than_its_tool_runs_with_is_refused_naming_the_line(
         tmp_path, tokenizer, parameters, difference):
     records = tool_questions(3)
@@ -246,7 +246,8 @@ def test_a_prompt_showing_other_parameters_than_its_tool_runs_with_is_refused_na
     assert len(GRPODataset(data, tokenizer, 800, reward_functions("answer"))) == 3  # one turn: shown, nothing runs
 
 
-@pytest.mark.parametrize("number, runs_tools", [(float("nan"), True), (float("inf"), False)])
+@pytest.mark.parametrize("number, runs_tools", [(float("nan"), True), (float("inf"), False)],
+                         ids=["nan_tools_run", "infinity_one_turn"])
 def test_nan_or_infinity_in_a_prompts_tool_spec_is_refused_naming_the_line(tmp_path, tokenizer, number, runs_tools):
     records = tool_questions(2)
     parameters = {**CALCULATOR_PARAMETERS, "properties": {"expression": {"type": "string", "maxLength": number}}}

@@ -133,7 +133,8 @@ LOUD = {"raises_at_length": user_tool(raises_at_length), "raises_lines": user_to
     ("raises_lines", {"x": "a"}, "tool raises_lines: raised ValueError: first line second line", "second line"),
     ("hangs_" + LONG, {"x": "a"}, "tool hangs_nnn", "nnn: no result in 0.5 s; stopped"),
     ("exits_" + LONG, {"x": "a"}, "tool exits_nnn", "nnn: its process ended without a result (exit 3)"),
-])
+], ids=["unknown_name", "arguments_over_their_bound", "schema_error", "refusal", "crash", "crash_on_two_lines",
+        "timeout", "process_died"])
 def test_every_answer_the_model_reads_of_a_call_is_bounded_however_long_what_it_echoes(name, arguments, start, end):
     """An unknown name, arguments over their bound, a schema error, a refusal, a tool's crash, a timeout, a process
     that died: each echoes what the model or a tool made, and each is cut to MAX_RESULT_CHARS, one line, its start and
