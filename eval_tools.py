@@ -12,15 +12,15 @@ Each line of --data (dataset/make_stage_data.py writes the demo's):
      "answer": "19760"}                           the final answer, compared exactly (after the think block)
 
 An item: the model answers greedily; each call it writes is checked against the tool's JSON schema and run
-(dataset/tools.run_tool: a child process, bounded in time and output), its result appended as the chat template
+(dataset/tools.run_tool: a child process, bounded in time, memory and output), its result appended as the chat template
 renders it, and the model answers again, up to --max_calls rounds of calls. A line per item, then the totals:
 right tool (of the items that need one), valid arguments (of the calls made), no call (of the items that need
 none), right answer and all right (of all items). Greedy decoding and tools that are plain functions: the same
 model scores the same, every run.
 
-A failed call (a tool that raised, hung, or returned what is not JSON, or too much) fails its item, with a line
-naming the tool and what happened; the run goes on to the next item. A malformed call in the model's text (not
-JSON, not closed) is read as its answer, which is then wrong.
+A failed call (a tool that raised, hung, ran out of memory, or returned what is not JSON, or too much) fails its
+item, with a line naming the tool and what happened; the run goes on to the next item. A malformed call in the
+model's text (not JSON, not closed) is read as its answer, which is then wrong.
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ reference answer the answer reward compares with. minimind's rlaif.jsonl lines d
 a user message, or whose last assistant message is empty, has no answer, which a reward that needs one
 (dataset/rewards.py: NEEDS_ANSWER) refuses before training, naming the file and line. With tools (--max_turns 2 or
 more: dataset/tool_rollouts.py) the tools a prompt offers are its first system message's "tools" (function specs),
-run by name from dataset/tools.py's DEMO_TOOLS; a spec naming another tool is refused the same way.
+run by name from dataset/tools.py's DEMO_TOOLS; a spec naming another tool, or showing parameters other than the
+tool's own, is refused the same way. A tool spec holding NaN or Infinity (Python's json reads them; they are not
+JSON, and the prompt would show them) is refused with any --max_turns.
 
 Item i is (input_ids, labels), each [max_prompt_len]: the prompt's ids, right-padded; labels mark the prompt's
 tokens (-100 on padding), so the loop reads the prompt's length from them and the loader's placeholder (all
@@ -21,6 +23,8 @@ metrics. A room that every prompt is longer than is refused (DataFileError: the 
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from functools import partial
 from typing import Callable
@@ -53,22 +57,79 @@ def split_prompt(messages: list) -> tuple[list, str | None]:
     return messages, None
 
 
+def _shown(value) -> str:
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def schema_difference(shown, real, where: str = "parameters") -> str | None:
+    """The first place where a prompt's `shown` schema differs from the `real` one a tool runs with, in words, or
+    None when they are the same JSON (1 and 1.0, or true and 1, differ: the model reads them as written)."""
+    if isinstance(shown, dict) and isinstance(real, dict):
+        for key in [*real, *(key for key in shown if key not in real)]:
+            if key not in shown:
+                return f"{where}.{key} is missing (the tool's: {_shown(real[key])})"
+            if key not in real:
+                return f"{where}.{key} is not in the tool's schema"
+            difference = schema_difference(shown[key], real[key], f"{where}.{key}")
+            if difference is not None:
+                return difference
+        return None
+    if isinstance(shown, list) and isinstance(real, list) and len(shown) == len(real):
+        for n, (item, real_item) in enumerate(zip(shown, real)):
+            difference = schema_difference(item, real_item, f"{where}[{n}]")
+            if difference is not None:
+                return difference
+        return None
+    if type(shown) is type(real) and shown == real:
+        return None
+    return f"{where} is {_shown(shown)} here, {_shown(real)} in the tool's schema"
+
+
+def non_finite_number(value, where: str) -> str | None:
+    """Where in parsed JSON a NaN or an infinity is (Python's json reads NaN and Infinity, which are not JSON), or
+    None. (The value is nested no deeper than chat_format's check allows.)"""
+    if isinstance(value, float) and not math.isfinite(value):
+        return where
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = non_finite_number(item, f"{where}.{key}" if isinstance(key, str) else f"{where}[{key}]")
+        if found is not None:
+            return found
+    return None
+
+
 def offered_tools(messages: list, tools: dict[str, Tool] = DEMO_TOOLS) -> dict[str, Tool]:
-    """The tools the first system message's "tools" offer, by name from `tools`; ValueError naming one not there."""
+    """The tools the first system message's "tools" offer, by name from `tools`; ValueError naming one not there, or
+    one whose spec shows parameters other than those it runs with."""
     offered = {}
     for spec in parse_conversation(messages).tools:
-        name = (spec.get("function") if isinstance(spec.get("function"), dict) else spec).get("name")
+        function = spec.get("function") if isinstance(spec.get("function"), dict) else spec
+        name = function.get("name")
         if name not in tools:
             raise ValueError(f'"tools" offers {name!r}, which is not a tool this trainer runs (dataset/tools.py\'s '
                              f'DEMO_TOOLS: {", ".join(tools)}): offer only those, or add yours there')
+        # Refused, not run with what the prompt shows: the function takes the arguments its own schema lists, so a
+        # prompt showing other parameters would teach calls that fail, or are checked against rules the model was
+        # not shown. The format carries a spec because the model must be shown one; the trainer runs its own tools
+        # by name, so the two must be the same.
+        difference = schema_difference(function.get("parameters"), tools[name].spec["function"].get("parameters"))
+        if difference is not None:
+            raise ValueError(f'"tools" offers {name!r} with other parameters than it runs with (dataset/tools.py): '
+                             f'{difference}; show its spec as DEMO_TOOLS[{name!r}].spec writes it')
         offered[name] = tools[name]
     return offered
 
 
 def check_prompt(record: dict, needs_answer: bool, runs_tools: bool = False) -> None:
-    """The check of each line: a conversation with a prompt, an answer when a reward compares with one, and
-    tools that run when the rollouts call them."""
+    """The check of each line: a conversation with a prompt, an answer when a reward compares with one, tool specs
+    that are JSON, and tools that run when the rollouts call them."""
     prompt, answer = split_prompt(record.get("conversations"))
+    for n, spec in enumerate(parse_conversation(prompt).tools):
+        where = non_finite_number(spec, f'"tools"[{n}]')
+        if where is not None:  # shown to the model as NaN or Infinity, which no JSON parser reads back
+            raise ValueError(f"{where} is NaN or an infinity, which JSON has no number for: write a number, or "
+                             f"leave the keyword out")
     if runs_tools:
         offered_tools(prompt)
     if not any(m["role"] == "user" for m in prompt):

@@ -13,8 +13,9 @@ rollout fits --max_seq_len as a single completion does): a tool turn that would 
 token is not appended, and the rollout ends with its calls.
 
 The tools a prompt offers are its first system message's "tools" (function specs), run by name from dataset/tools.py's
-DEMO_TOOLS (GRPODataset refuses a name that is not there when it indexes the file). Each call runs in a child
-process (run_tool: bounded in time and output); nothing the model wrote is evaluated.
+DEMO_TOOLS (GRPODataset refuses a name that is not there, or a spec whose parameters are not the tool's, when it
+indexes the file). Each call runs in a child process (run_tool: bounded in time, memory and output); nothing the
+model wrote is evaluated.
 
 A call that fails (the tool raised, hung past its time limit, or returned what is not JSON): training goes on; the
 model reads {"error": "..."} as that call's result, and the tool reward scores the call 0. A malformed call, one
@@ -30,7 +31,6 @@ one machine and not on the other.
 
 from __future__ import annotations
 
-import json
 from typing import NamedTuple
 
 import torch
@@ -40,7 +40,7 @@ from dataset.chat_format import ChatEncoder, Segment, render_segments, template_
 from dataset.lm_dataset import IGNORE_INDEX
 from dataset.rewards import final_answer
 from dataset.tool_calls import parse_tool_calls
-from dataset.tools import TIME_LIMIT_S, Tool, argument_problem, run_tool
+from dataset.tools import TIME_LIMIT_S, Tool, argument_problem, error_text, run_tool
 from model.tokenizer import EOS_ID, PAD_ID
 
 
@@ -87,8 +87,7 @@ def run_calls(calls: list[ToolCall], offered: dict[str, Tool], time_limit_s: flo
     results, checked = [], []
     for call in calls:
         result = run_tool(call.name, call.arguments, offered, time_limit_s)
-        results.append(result.text if result.failure is None else json.dumps({"error": result.failure},
-                                                                               ensure_ascii=False))
+        results.append(result.text if result.failure is None else error_text(result.failure))  # both bounded
         checked.append(call._replace(problem=call.problem or result.failure))
     return results, checked
 

@@ -9,11 +9,28 @@ tree itself: numbers, + - * / // % ** and parentheses, nothing else (a name, a c
 bounded sizes and exponents. The weather is a fixed table over the demo world's capitals, so every answer is
 reproducible.
 
-run_tool runs one call in a child process with a time bound and an output bound. A call whose arguments do not
-fit the schema, or that the tool refuses (ToolRefusal: "not arithmetic", "no weather for ..."), gets an
-{"error": ...} result the model reads, as a tool would answer. A tool that raises anything else, hangs, or returns
-what is not JSON (or too much of it) is a failed call: one line naming the tool and what happened; the caller
-decides what a failed call costs (eval_tools.py scores the item as failed and goes on).
+run_tool runs one call. Arguments are checked first, in the calling process: at most MAX_ARGUMENT_CHARS as JSON
+(measured before the schema is, so a giant argument costs one pass over it), then against the schema, which
+refuses an argument it does not list (a function is called with them as keywords). A call whose arguments do
+not fit, or that the tool refuses (ToolRefusal: "not arithmetic", "no weather for ..."), gets an {"error": ...}
+result the model reads, as a tool would answer. A tool that raises anything else, hangs, goes past its memory,
+or returns what is not JSON (or too much of it) is a failed call: one line naming the tool and what happened;
+the caller decides what a failed call costs (eval_tools.py scores the item as failed and goes on; agentic GRPO's
+model reads it as {"error": that line}: error_text).
+
+What bounds a tool, yours too: Tool(spec, function) in the `tools` given to run_tool (eval_tools.py and agentic
+GRPO run DEMO_TOOLS: add it there), its function called in a child process forked from the caller, with
+- time: TIME_LIMIT_S, then its process group is killed;
+- memory: on Linux, MEMORY_LIMIT_BYTES of address space beyond what its process held when it started
+  (RLIMIT_AS: an allocation past it raises MemoryError, or ends the process; a process it starts inherits the
+  same limit); elsewhere there is none, and run_tool warns so (once from each line that calls it);
+- processes: the call runs in its own session and process group, and the whole group is killed when the call
+  ends, answered or not, so a process the tool started dies with it (one that leaves the group, by setsid or as
+  a daemon, is not followed);
+- output: every answer the model reads of a call, a result, a refusal, a schema error, a failed call's line,
+  the answer to an unknown tool's name, is at most MAX_RESULT_CHARS characters as JSON (a longer message keeps
+  its start and its end and says how much was cut; a longer result is a failed call). One function gives them
+  all: _answer.
 """
 
 from __future__ import annotations
@@ -23,14 +40,21 @@ import json
 import math
 import multiprocessing
 import operator
+import os
+import resource
+import signal
+import sys
+import warnings
 from typing import Any, Callable, NamedTuple
 
 import jsonschema
 
 from dataset.make_demo_data import COUNTRIES
 
-TIME_LIMIT_S = 2.0  # a call that has not answered by then is stopped (its process killed)
-MAX_RESULT_CHARS = 2000  # a result longer than this (as JSON text) is a failed call
+TIME_LIMIT_S = 2.0  # a call that has not answered by then is stopped (its process group killed)
+MAX_RESULT_CHARS = 2000  # what the model reads of a call, as JSON text, on every path; a longer result fails the call
+MAX_ARGUMENT_CHARS = 20_000  # a call's arguments as JSON text: more is refused before the schema is checked
+MEMORY_LIMIT_BYTES = 512 * 2 ** 20  # address space a call may add to what its process held at its start (Linux)
 MAX_EXPRESSION_CHARS = 200
 MAX_NUMBER = 10 ** 30  # any number the calculator reads or makes, in absolute value
 MAX_EXPONENT = 64
@@ -128,8 +152,21 @@ DEMO_TOOLS = {
 # ---- checking and running a call ------------------------------------------------------------------
 
 def argument_problem(tool: Tool, arguments: Any) -> str | None:
-    """What makes `arguments` not fit the tool's JSON schema, in one line, or None when they fit."""
+    """What makes `arguments` not fit the tool's JSON schema, in one line, or None when they fit. The size first:
+    the schema check's cost and what its message echoes grow with the arguments."""
+    try:
+        size = len(json.dumps(arguments, ensure_ascii=False))
+    except (TypeError, ValueError, RecursionError):
+        return f"arguments: {type(arguments).__name__} holding what is not JSON"
+    if size > MAX_ARGUMENT_CHARS:
+        return f"arguments: {size} characters as JSON, over the {MAX_ARGUMENT_CHARS} a call may pass"
     schema = tool.spec["function"].get("parameters") or {"type": "object"}
+    # The function is called with the arguments as keywords, and takes none it does not name: one the schema does not
+    # list is refused here, named, rather than crashing the call. Added to the check only, not to the spec the model
+    # is shown: its "properties" already list what the tool takes, and the demo's tool data holds the spec byte for
+    # byte (a key more would change every prompt tool SFT trains on). A schema that says otherwise is kept.
+    if isinstance(schema, dict) and "additionalProperties" not in schema:
+        schema = {**schema, "additionalProperties": False}
     error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(arguments))
     if error is None:
         return None
@@ -143,54 +180,126 @@ def result_text(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, allow_nan=False)
 
 
-def _call_in_child(connection, function: Callable[..., Any], arguments: dict, max_chars: int) -> None:
-    """In the child process: call, and send back ("ok", JSON text), ("refused", message) or ("failed", why)."""
+def _fitted(message: str, max_chars: int) -> str:
+    """`message` on one line, so that {"error": it} is at most `max_chars` characters of JSON: a longer one keeps its
+    start and its end (what was asked, and what is wrong with it: "... is not of type 'string'") and says how
+    much of the middle was cut."""
+    message = " ".join(message.splitlines())
+    if len(message) <= max_chars and len(json.dumps({"error": message}, ensure_ascii=False)) <= max_chars:
+        return message
+
+    def kept(count: int) -> str:  # `count` characters of the message, half from each end
+        return f"{message[:count - count // 2]} [...{len(message) - count} characters cut...] " \
+               f"{message[len(message) - count // 2:]}"
+
+    fits, too_long = 0, min(len(message), max_chars) + 1  # (escapes only lengthen: no more characters fit)
+    while too_long - fits > 1:  # the most that fits: bisected, as JSON's escapes lengthen some characters
+        middle = (fits + too_long) // 2
+        if len(json.dumps({"error": kept(middle)}, ensure_ascii=False)) <= max_chars:
+            fits = middle
+        else:
+            too_long = middle
+    return kept(fits)
+
+
+def error_text(message: str, max_chars: int = MAX_RESULT_CHARS) -> str:
+    """{"error": message} as the model reads it, at most `max_chars` characters (a longer message is cut)."""
+    return json.dumps({"error": _fitted(message, max_chars)}, ensure_ascii=False)
+
+
+def _answer(name: str, kind: str, text: str, max_chars: int) -> ToolResult:
+    """The one place a call's outcome becomes what its caller and the model read, within `max_chars`: kind "ok" (the
+    result's JSON text: too long, a failed call), "error" (a message the model reads as {"error": ...}) or "failed"
+    (a line naming the tool and what happened, cut so that {"error": line} fits too)."""
+    if kind == "ok" and len(text) > max_chars:
+        kind, text = "failed", f"returned {len(text)} characters of JSON, over the {max_chars} allowed"
+    if kind == "ok":
+        return ToolResult(text)
+    if kind == "error":
+        return ToolResult(error_text(text, max_chars))
+    return ToolResult("", _fitted(f"tool {name}: {text}", max_chars))
+
+
+def _limit_memory(extra_bytes: int) -> None:
+    """In the child: its address space bounded to what it holds now plus `extra_bytes` (Linux: /proc and RLIMIT_AS).
+    What it holds now, not a fixed size: a child forked from a trainer holds the trainer's mappings."""
+    with open("/proc/self/statm") as statm:  # its first field: the address space, in pages
+        held = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = held + extra_bytes if hard == resource.RLIM_INFINITY else min(held + extra_bytes, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))  # the hard limit too: the tool cannot raise it back
+
+
+def _call_in_child(connection, name: str, function: Callable[..., Any], arguments: dict, max_chars: int,
+                   memory_limit_bytes: int) -> None:
+    """In the child process: call, and send back _answer's ToolResult (so the pipe carries no more than it)."""
+    os.setsid()  # its own session and process group: the parent kills the group, and with it what the tool started
+    if sys.platform.startswith("linux"):
+        _limit_memory(memory_limit_bytes)
+    out_of_memory = (f"ran out of memory: a call may take {memory_limit_bytes // 2 ** 20} MiB more than its process "
+                     f"held at its start (dataset/tools.py: MEMORY_LIMIT_BYTES)")
     try:
         value = function(**arguments)
     except ToolRefusal as refusal:
-        connection.send(("refused", str(refusal)))
-        return
+        outcome = ("error", str(refusal))
+    except MemoryError:  # what the allocation asked for was not taken: there is room to say so
+        outcome = ("failed", out_of_memory)
     except Exception as error:  # anything else the tool raised: the parent names it in one line
-        connection.send(("failed", f"raised {type(error).__name__}: {error}"))
-        return
+        outcome = ("failed", f"raised {type(error).__name__}: {error}")
+    else:
+        try:
+            outcome = ("ok", result_text(value))
+        except (TypeError, ValueError, RecursionError) as error:
+            outcome = ("failed", f"returned {type(value).__name__}, which is not JSON ({error})")
+        except MemoryError:
+            outcome = ("failed", out_of_memory)
+    connection.send(_answer(name, *outcome, max_chars))
+
+
+def _stop(child: multiprocessing.Process) -> None:
+    """Kill the child's process group (the child and whatever the tool started), then the child, and reap it. The
+    group is killed before the child is reaped, so its id (the child's pid) cannot yet name another group."""
     try:
-        text = result_text(value)
-    except (TypeError, ValueError) as error:
-        connection.send(("failed", f"returned {type(value).__name__}, which is not JSON ({error})"))
-        return
-    if len(text) > max_chars:  # said, not sent: the pipe would carry all of it
-        connection.send(("failed", f"returned {len(text)} characters of JSON, over the {max_chars} allowed"))
-        return
-    connection.send(("ok", text))
+        os.killpg(child.pid, signal.SIGKILL)
+    except ProcessLookupError:  # no such group: the child had not yet made it (os.setsid), or all in it had ended
+        pass
+    child.kill()  # a child stopped before its os.setsid is not in the group
+    child.join()
 
 
 def run_tool(name: str, arguments: Any, tools: dict[str, Tool] = DEMO_TOOLS, time_limit_s: float = TIME_LIMIT_S,
-             max_chars: int = MAX_RESULT_CHARS) -> ToolResult:
-    """Call `tools[name]` with `arguments` (a model's, checked against the schema first) in a child process."""
-    if name not in tools:
-        return ToolResult(json.dumps({"error": f"no tool named {name!r}; the tools are {', '.join(tools)}"}))
+             max_chars: int = MAX_RESULT_CHARS, memory_limit_bytes: int = MEMORY_LIMIT_BYTES) -> ToolResult:
+    """Call `tools[name]` with `arguments` (a model's, checked against the schema first) in a child process, bounded
+    in time, memory, processes and output (the module's docstring); every answer goes through _answer."""
+    if max_chars < 100:
+        raise ValueError(f"max_chars {max_chars}: at least 100, to say what went wrong within it")
+    if name not in tools:  # (a model's name may be as long as its text: _answer cuts it)
+        return _answer(name, "error", f"no tool named {name!r}; the tools are {', '.join(tools)}", max_chars)
     problem = argument_problem(tools[name], arguments)
     if problem is not None:
-        return ToolResult(json.dumps({"error": problem}, ensure_ascii=False))
+        return _answer(name, "error", problem, max_chars)
+    if not sys.platform.startswith("linux"):  # (a warning is shown once for each line that calls run_tool)
+        warnings.warn(f"tool calls run without a memory bound on {sys.platform}: dataset/tools.py bounds them with "
+                      f"/proc and RLIMIT_AS, on Linux only; they are still bounded in time and output", stacklevel=2)
     # A process, not a thread: a thread that hangs cannot be stopped. fork starts it in milliseconds (the tool
     # is a function of this process, whatever module defines it); elsewhere spawn, which imports it afresh.
     context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
     receive, send = context.Pipe(duplex=False)
-    child = context.Process(target=_call_in_child, args=(send, tools[name].function, arguments, max_chars),
-                            daemon=True)
+    child = context.Process(target=_call_in_child, daemon=True,
+                            args=(send, name, tools[name].function, arguments, max_chars, memory_limit_bytes))
     child.start()
     send.close()  # the child holds its own end: a child that dies without a word makes recv raise EOFError
+    answered, result = False, None
     try:
-        if not receive.poll(time_limit_s):
-            return ToolResult("", f"tool {name}: no result in {time_limit_s:g} s; stopped")
-        status, text = receive.recv()
-    except EOFError:
-        return ToolResult("", f"tool {name}: its process ended without a result (exit {child.exitcode})")
+        answered = receive.poll(time_limit_s)
+        result = receive.recv() if answered else None  # the child's _answer
+    except EOFError:  # (a signal, os._exit, an allocation in C code past the memory bound end a process without a word)
+        pass
     finally:
         receive.close()
-        if child.is_alive():
-            child.kill()
-        child.join()
-    if status == "failed":
-        return ToolResult("", f"tool {name}: {text}")
-    return ToolResult(text if status == "ok" else json.dumps({"error": text}, ensure_ascii=False))
+        _stop(child)
+    if not answered:
+        return _answer(name, "failed", f"no result in {time_limit_s:g} s; stopped", max_chars)
+    if result is None:
+        return _answer(name, "failed", f"its process ended without a result (exit {child.exitcode})", max_chars)
+    return result

@@ -20,8 +20,8 @@ from dataset.grpo_dataset import GRPODataset
 from dataset.jsonl_file import DataFileError
 from dataset.rewards import reward_functions, score_groups
 from dataset.lm_dataset import SFTDataset
-from dataset.tool_rollouts import check_calls, sample_tool_groups, tool_turn
-from dataset.tools import DEMO_TOOLS, Tool, _spec, run_tool
+from dataset.tool_rollouts import ToolCall, check_calls, run_calls, sample_tool_groups, tool_turn
+from dataset.tools import DEMO_TOOLS, MAX_RESULT_CHARS, Tool, _spec, run_tool
 from model.model import CausalLM, LMConfig
 from model.tokenizer import DEFAULT_TOKENIZER, EOS_ID, load_tokenizer
 from test_dpo import TINY, write_jsonl
@@ -219,3 +219,53 @@ def test_a_tool_the_trainer_does_not_run_is_refused_when_the_file_is_indexed_nam
     assert str(refused.value).startswith(f"{data}, line 2: ") and "'get_time', which is not a tool this trainer " \
         "runs (dataset/tools.py's DEMO_TOOLS: calculator, get_weather)" in str(refused.value)
     assert len(GRPODataset(data, tokenizer, 800, reward_functions("answer"))) == 3  # one turn: no tool runs
+
+
+CALCULATOR_PARAMETERS = DEMO_TOOLS["calculator"].spec["function"]["parameters"]
+
+
+@pytest.mark.parametrize("parameters, difference", [
+    ({**CALCULATOR_PARAMETERS, "properties": {"expression": {"type": "integer"}}},
+     'parameters.properties.expression.type is "integer" here, "string" in the tool\'s schema'),
+    ({**CALCULATOR_PARAMETERS, "additionalProperties": True}, "parameters.additionalProperties is not in the tool's "
+                                                               "schema"),
+    ({"type": "object", "properties": {"expression": {"type": "string"}}},
+     'parameters.required is missing (the tool\'s: ["expression"])'),
+], ids=["another_type", "a_keyword_more", "a_keyword_less"])
+def test_a_prompt_showing_other_parameters_than_its_tool_runs_with_is_refused_naming_the_line(
+        tmp_path, tokenizer, parameters, difference):
+    records = tool_questions(3)
+    shown = {"type": "function", "function": {**DEMO_TOOLS["calculator"].spec["function"], "parameters": parameters}}
+    records[2]["conversations"][0] = {**SYSTEM, "tools": [DEMO_TOOLS["get_weather"].spec, shown]}
+    data = write_jsonl(tmp_path / "tools.jsonl", records)
+    with pytest.raises(DataFileError) as refused:
+        GRPODataset(data, tokenizer, 800, reward_functions("answer"), runs_tools=True)
+    assert str(refused.value).startswith(
+        f"{data}, line 3: \"tools\" offers 'calculator' with other parameters than it runs with (dataset/tools.py): "
+        f"{difference}; show its spec as DEMO_TOOLS['calculator'].spec writes it"), str(refused.value)
+    assert len(GRPODataset(data, tokenizer, 800, reward_functions("answer"))) == 3  # one turn: shown, nothing runs
+
+
+@pytest.mark.parametrize("number, runs_tools", [(float("nan"), True), (float("inf"), False)],
+                         ids=["nan_tools_run", "infinity_one_turn"])
+def test_nan_or_infinity_in_a_prompts_tool_spec_is_refused_naming_the_line(tmp_path, tokenizer, number, runs_tools):
+    records = tool_questions(2)
+    parameters = {**CALCULATOR_PARAMETERS, "properties": {"expression": {"type": "string", "maxLength": number}}}
+    shown = {"type": "function", "function": {**DEMO_TOOLS["calculator"].spec["function"], "parameters": parameters}}
+    records[1]["conversations"][0] = {**SYSTEM, "tools": json.dumps([shown])}  # NaN or Infinity, as json.dumps writes
+    data = write_jsonl(tmp_path / "tools.jsonl", records)
+    with pytest.raises(DataFileError) as refused:
+        GRPODataset(data, tokenizer, 800, reward_functions("answer"), runs_tools=runs_tools)
+    assert str(refused.value).startswith(
+        f'{data}, line 2: "tools"[0].function.parameters.properties.expression.maxLength is NaN or an infinity, which '
+        f'JSON has no number for'), str(refused.value)
+
+
+def test_the_line_a_failed_call_gives_the_model_is_bounded_too():
+    def raises_at_length(city: str):
+        raise KeyError(city * 100_000)
+
+    loud = {"loud": Tool(_spec("loud", "Raises a long message", "city"), raises_at_length)}
+    results, checked = run_calls([ToolCall("loud", {"city": "a"}, None)], loud, 2.0)
+    assert len(results[0]) <= MAX_RESULT_CHARS and json.loads(results[0])["error"] == checked[0].problem
+    assert checked[0].problem.startswith("tool loud: raised KeyError: 'aaa") and "characters cut" in results[0]

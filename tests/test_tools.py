@@ -5,13 +5,18 @@ The server's side is in tests/test_serve_tools.py."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 import eval_tools
 from dataset.tool_calls import parse_tool_calls, visible_content
-from dataset.tools import DEMO_TOOLS, Tool, calculator, run_tool
+from dataset.tools import DEMO_TOOLS, MAX_RESULT_CHARS, Tool, calculator, error_text, run_tool
 
 SPEC = DEMO_TOOLS["calculator"].spec
 
@@ -76,9 +81,14 @@ def too_long(x: str):
     return x * 5000
 
 
-BROKEN = {f.__name__: Tool({"type": "function", "function": {"name": f.__name__, "parameters": {
-    "type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}}}, f)
-    for f in (raises, hangs, not_json, too_long)}
+def user_tool(function, name: str | None = None, parameters: dict | None = None) -> Tool:
+    """A tool of one's own, as a user registers it: a spec and a function, in the `tools` given to run_tool."""
+    parameters = parameters or {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}
+    return Tool({"type": "function", "function": {"name": name or function.__name__, "parameters": parameters}},
+                function)
+
+
+BROKEN = {f.__name__: user_tool(f) for f in (raises, hangs, not_json, too_long)}
 
 
 @pytest.mark.parametrize("name, words", [("raises", "tool raises: raised KeyError: 'a'"),
@@ -93,11 +103,124 @@ def test_a_tool_that_raises_hangs_or_returns_no_json_is_one_line_naming_it(name,
     assert "\n" not in result.failure and time.monotonic() - start < 5
 
 
+def raises_at_length(x: str):
+    raise KeyError(x * 100_000)
+
+
+def raises_lines(x: str):
+    raise ValueError("first line\nsecond line")
+
+
+def exits(x: str):
+    os._exit(3)
+
+
+LONG = "n" * 5000  # a tool's name, as long as a user may make it
+LOUD = {"raises_at_length": user_tool(raises_at_length), "raises_lines": user_tool(raises_lines),
+        "hangs_" + LONG: user_tool(hangs, "hangs_" + LONG), "exits_" + LONG: user_tool(exits, "exits_" + LONG),
+        **DEMO_TOOLS}
+
+
+@pytest.mark.parametrize("name, arguments, start, end", [
+    ("x" * 200_000, {}, "no tool named 'xxx", "nnn, calculator, get_weather"),  # (LOUD's names last)
+    ("get_weather", {"city": "y" * 200_000}, "arguments: 200012 characters as JSON, over the 20000 a call may pass",
+     "may pass"),
+    ("calculator", {"expression": ["1"] * 3000}, "arguments/expression: ['1', '1', ", "'1'] is not of type 'string'"),
+    ("get_weather", {"city": "y" * 10_000}, "no weather for 'yyy", "known cities: Paris, Berlin, Rome, Madrid, Tokyo, "
+                                                                   "Beijing, Moscow, Cairo, Ottawa, Brasilia, New "
+                                                                   "Delhi, Bangkok, Seoul, Athens, Lima, Nairobi"),
+    ("raises_at_length", {"x": "a"}, "tool raises_at_length: raised KeyError: 'aaa", "aaa'"),
+    ("raises_lines", {"x": "a"}, "tool raises_lines: raised ValueError: first line second line", "second line"),
+    ("hangs_" + LONG, {"x": "a"}, "tool hangs_nnn", "nnn: no result in 0.5 s; stopped"),
+    ("exits_" + LONG, {"x": "a"}, "tool exits_nnn", "nnn: its process ended without a result (exit 3)"),
+], ids=["unknown_name", "arguments_over_their_bound", "schema_error", "refusal", "crash", "crash_on_two_lines",
+        "timeout", "process_died"])
+def test_every_answer_the_model_reads_of_a_call_is_bounded_however_long_what_it_echoes(name, arguments, start, end):
+    """An unknown name, arguments over their bound, a schema error, a refusal, a tool's crash, a timeout, a process
+    that died: each echoes what the model or a tool made, and each is cut to MAX_RESULT_CHARS, one line, its start and
+    its end kept."""
+    result = run_tool(name, arguments, LOUD, time_limit_s=0.5)
+    read = result.text if result.failure is None else error_text(result.failure)  # as agentic GRPO's model reads it
+    message = json.loads(read)["error"]
+    assert len(read) <= MAX_RESULT_CHARS and message.startswith(start) and message.endswith(end), (len(read), read)
+    assert result.failure is None or (result.failure == message and "\n" not in message)
+
+
 def test_arguments_that_do_not_fit_the_schema_get_an_error_result_the_model_reads():
     assert json.loads(run_tool("calculator", {"expr": "1"}).text) == \
         {"error": "arguments: 'expression' is a required property"}
     assert "is not of type 'string'" in json.loads(run_tool("get_weather", {"city": 5}).text)["error"]
     assert "no tool named 'shell'" in json.loads(run_tool("shell", {"cmd": "ls"}).text)["error"]
+
+
+def takes_any(x: str, **more):
+    return {"x": x, "more": sorted(more)}
+
+
+def test_an_argument_the_schema_does_not_list_is_an_error_naming_it_not_a_crashed_call():
+    # (before: it passed the schema and the function raised TypeError: a failed call, the item lost)
+    result = run_tool("calculator", {"expression": "17 * 23", "precision": 2})
+    assert result.failure is None and json.loads(result.text) == \
+        {"error": "arguments: Additional properties are not allowed ('precision' was unexpected)"}
+    # The spec the model is shown is as it was (the demo's tool data holds it); a schema that takes more still does
+    assert "additionalProperties" not in DEMO_TOOLS["calculator"].spec["function"]["parameters"]
+    open_schema = {"type": "object", "properties": {"x": {"type": "string"}}, "additionalProperties": True}
+    assert run_tool("takes_any", {"x": "a", "y": 1}, {"takes_any": user_tool(takes_any, parameters=open_schema)}) \
+        == ('{"x": "a", "more": ["y"]}', None)
+
+
+# ---- a tool of one's own: bounded in memory, and what it starts dies with the call ------------------------
+
+def allocates_4_gib(x: str):
+    return {"bytes": len(bytes(4 * 2 ** 30))}  # zeroed pages, untouched: without a bound it costs nothing real
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the memory bound is Linux's (RLIMIT_AS)")
+def test_a_tool_that_allocates_past_its_memory_bound_is_a_failed_call_and_the_next_call_runs():
+    result = run_tool("allocates_4_gib", {"x": "a"}, {"allocates_4_gib": user_tool(allocates_4_gib)})
+    assert result == ("", "tool allocates_4_gib: ran out of memory: a call may take 512 MiB more than its process "
+                          "held at its start (dataset/tools.py: MEMORY_LIMIT_BYTES)")
+    assert run_tool("calculator", {"expression": "17 * 23"}) == ('{"result": 391}', None)
+
+
+def starts_a_sleeper(x: str) -> dict:
+    """Starts `sleep 60`, writes its pid in the file `x`, and returns."""
+    sleeper = subprocess.Popen(["sleep", "60"])
+    Path(x).write_text(str(sleeper.pid))
+    return {"pid": sleeper.pid}
+
+
+def starts_a_sleeper_and_hangs(x: str):
+    starts_a_sleeper(x)
+    while True:
+        time.sleep(0.05)
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads processes' states in /proc")
+@pytest.mark.parametrize("function", [starts_a_sleeper, starts_a_sleeper_and_hangs])
+def test_a_process_a_tool_started_dies_with_the_call_answered_or_stopped(tmp_path, function):
+    pid_file = tmp_path / "pid"
+    result = run_tool(function.__name__, {"x": str(pid_file)}, {function.__name__: user_tool(function)},
+                      time_limit_s=1.0)
+    pid = int(pid_file.read_text())
+    try:
+        assert result.failure is None if function is starts_a_sleeper else "no result in 1 s" in result.failure
+        deadline = time.monotonic() + 10  # SIGKILL is sent when run_tool returns; the end is the kernel's to finish
+        while running(pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not running(pid), f"the tool's child {pid} outlived the call"
+    finally:
+        if running(pid):  # (before: it slept on, its 60 s, after the call)
+            os.kill(pid, signal.SIGKILL)
 
 
 # ---- a model's text read as calls ---------------------------------------------------------------
