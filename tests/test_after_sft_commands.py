@@ -37,7 +37,7 @@ STEP = ["--max_steps", "1"]  # each training command trains one step: what is te
 
 def after_sft_commands() -> list[list[str]]:
     """The commands of README.md's "After SFT" block, split as a shell splits them."""
-    return [shlex.split(line) for line in bash_lines("README.md", "## After SFT: LoRA, DPO and GRPO")]
+    return [shlex.split(line) for line in bash_lines("README.md", "## After SFT: LoRA, DPO, GRPO, distillation, tool use")]
 
 
 def demo_stages(tmp_path: Path, *demo_args: str) -> dict[str, list[str]]:
@@ -104,26 +104,46 @@ def assert_demo_files_untouched(before: dict[str, str], root: Path) -> None:
     assert not changed, f"the README's commands replaced or removed the demo's files: {changed}"
 
 
+# The fast case's smaller batches for the two tool stages (one step of 8 rollouts of 8 questions, two turns each, is
+# most of a minute on two cores): what it proves is which files they read and write, not the step's size.
+SMALLER = {"--save_weight my_tool_sft": ["--batch_size", "2"],
+           "--save_weight my_tool_grpo": ["--batch_size", "1", "--num_generations", "2", "--max_completion_len", "32"]}
+
+
+def smaller(argv: list[str]) -> list[str]:
+    return [*argv, *next((extra for flags, extra in SMALLER.items() if flags in " ".join(argv)), [])]
+
+
 def test_the_training_commands_as_printed_take_the_demos_sft_model_and_leave_the_demos_files(tmp_path):
     """Before: `train_lora.py --hidden_size 128` refused the demo's out/full_sft_128.pth, checking the 8 layers,
     8 heads and 4 key/value heads it defaults to, never typed, against the file's 4, 4 and 2; and with the
-    demo's names the commands replaced the demo's adapter and its DPO and GRPO models."""
+    demo's names the commands replaced the demo's adapter and its DPO and GRPO models. Distillation's student
+    starts from random weights at the sizes typed, its teacher the demo's SFT model; agentic GRPO starts from the
+    tool SFT command's model."""
     stages = demo_stages(tmp_path)
     root = clone(tmp_path)
     config = LMConfig(vocab_size=load_tokenizer(DEFAULT_TOKENIZER).get_vocab_size(),
                       **size_of(stages["trainer/train_full_sft.py"]))
     assert config.num_hidden_layers != LMConfig.num_hidden_layers  # else the sizes not typed would fit by chance
     base = write_base(root / "out", config)
-    for name in ("dpo", "grpo"):  # the demo's later stages, as files its names would replace
+    for name in ("dpo", "grpo", "student_distill", "tool_sft", "tool_grpo"):  # the demo's later stages' files
         write_base(root / "out", config, seed=1, name=name)
     write_adapter(root / "out", config, base=base)
     before = hashes(root)
     trained = [argv for argv in after_sft_commands() if argv[1].startswith("trainer/train_")]
-    assert [argv[1] for argv in trained] == [f"trainer/train_{s}.py" for s in ("lora", "dpo", "grpo")]
-    assert all("--num_hidden_layers" not in argv for argv in trained)  # the sizes come from the file
+    assert [argv[1] for argv in trained] == [f"trainer/train_{s}.py" for s in ("lora", "dpo", "grpo", "distillation",
+                                                                              "full_sft", "grpo")]
+    from_files = [argv for argv in trained if argv[1] != "trainer/train_distillation.py"]
+    assert all("--num_hidden_layers" not in argv for argv in from_files)  # the sizes come from the file
     for argv in trained:
-        result = run(root, argv + STEP)
-        assert f"initial weights: {base} (128x{config.num_hidden_layers}" in result.stderr + result.stdout
+        result = run(root, smaller(argv + STEP))
+        if argv[1] == "trainer/train_distillation.py":
+            starts_from = f"teacher: {base}"
+        elif "--from_weight" in argv:  # tool SFT from the demo's SFT model, agentic GRPO from tool SFT's
+            starts_from = f"initial weights: {root / 'out' / argv[argv.index('--from_weight') + 1]}_128.pth"
+        else:
+            starts_from = f"initial weights: {base}"
+        assert f"{starts_from} (128x{config.num_hidden_layers}" in result.stderr + result.stdout
     assert_demo_files_untouched(before, root)
 
 
@@ -162,4 +182,5 @@ def test_every_after_sft_command_runs_as_printed_after_the_demo_and_the_demos_fi
         # An eval or export of a name no command above wrote fails: the demo's files stay as they were (below)
         run(root, argv + STEP if argv[1].startswith("trainer/train_") else argv)
     assert_demo_files_untouched(before, root)
-    assert {"out/lora_my_128.pth", "out/my_dpo_128.pth", "out/my_grpo_128.pth"} <= set(hashes(root))
+    assert {f"out/{name}_128.pth" for name in ("lora_my", "my_dpo", "my_grpo", "my_student", "my_tool_sft",
+                                                "my_tool_grpo")} <= set(hashes(root))
