@@ -104,22 +104,12 @@ def assert_demo_files_untouched(before: dict[str, str], root: Path) -> None:
     assert not changed, f"the README's commands replaced or removed the demo's files: {changed}"
 
 
-# The fast case's smaller batches for the two tool stages (one step of 8 rollouts of 8 questions, two turns each, is
-# most of a minute on two cores): what it proves is which files they read and write, not the step's size.
-SMALLER = {"--save_weight my_tool_sft": ["--batch_size", "2"],
-           "--save_weight my_tool_grpo": ["--batch_size", "1", "--num_generations", "2", "--max_completion_len", "32"]}
-
-
-def smaller(argv: list[str]) -> list[str]:
-    return [*argv, *next((extra for flags, extra in SMALLER.items() if flags in " ".join(argv)), [])]
-
-
 def test_the_training_commands_as_printed_take_the_demos_sft_model_and_leave_the_demos_files(tmp_path):
     """Before: `train_lora.py --hidden_size 128` refused the demo's out/full_sft_128.pth, checking the 8 layers,
     8 heads and 4 key/value heads it defaults to, never typed, against the file's 4, 4 and 2; and with the
     demo's names the commands replaced the demo's adapter and its DPO and GRPO models. Distillation's student
-    starts from random weights at the sizes typed, its teacher the demo's SFT model; agentic GRPO starts from the
-    tool SFT command's model."""
+    starts from random weights at the sizes typed, its teacher the demo's SFT model. (Agentic GRPO, from the tool SFT
+    command's model, runs its tools in the rollouts of a step: the slow case runs it, with the rest, as printed.)"""
     stages = demo_stages(tmp_path)
     root = clone(tmp_path)
     config = LMConfig(vocab_size=load_tokenizer(DEFAULT_TOKENIZER).get_vocab_size(),
@@ -135,15 +125,12 @@ def test_the_training_commands_as_printed_take_the_demos_sft_model_and_leave_the
                                                                               "full_sft", "grpo")]
     from_files = [argv for argv in trained if argv[1] != "trainer/train_distillation.py"]
     assert all("--num_hidden_layers" not in argv for argv in from_files)  # the sizes come from the file
-    for argv in trained:
-        result = run(root, smaller(argv + STEP))
-        if argv[1] == "trainer/train_distillation.py":
-            starts_from = f"teacher: {base}"
-        elif "--from_weight" in argv:  # tool SFT from the demo's SFT model, agentic GRPO from tool SFT's
-            starts_from = f"initial weights: {root / 'out' / argv[argv.index('--from_weight') + 1]}_128.pth"
-        else:
-            starts_from = f"initial weights: {base}"
-        assert f"{starts_from} (128x{config.num_hidden_layers}" in result.stderr + result.stdout
+    assert trained[-1][trained[-1].index("--from_weight") + 1] == "my_tool_sft"  # agentic GRPO: from tool SFT's
+    for argv in trained[:-1]:
+        tool_sft = "my_tool_sft" in argv  # one step of 8 conversations of 960 tokens: 2 of them are enough here
+        result = run(root, argv + STEP + (["--batch_size", "2"] if tool_sft else []))
+        starts_from = "teacher" if argv[1] == "trainer/train_distillation.py" else "initial weights"
+        assert f"{starts_from}: {base} (128x{config.num_hidden_layers}" in result.stderr + result.stdout
     assert_demo_files_untouched(before, root)
 
 
