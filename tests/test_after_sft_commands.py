@@ -127,8 +127,10 @@ def test_the_training_commands_as_printed_take_the_demos_sft_model_and_leave_the
     assert all("--num_hidden_layers" not in argv for argv in from_files)  # the sizes come from the file
     assert trained[-1][trained[-1].index("--from_weight") + 1] == "my_tool_sft"  # agentic GRPO: from tool SFT's
     for argv in trained[:-1]:
-        tool_sft = "my_tool_sft" in argv  # one step of 8 conversations of 960 tokens: 2 of them are enough here
-        result = run(root, argv + STEP + (["--batch_size", "2"] if tool_sft else []))
+        # Distillation and tool SFT on 2 conversations a step (their 32 of 192 tokens and 8 of 960, each with a
+        # second model's forward or long sequences, add seconds): what is tested is which files they read and write.
+        later = argv[1] == "trainer/train_distillation.py" or "my_tool_sft" in argv
+        result = run(root, argv + STEP + (["--batch_size", "2"] if later else []))
         starts_from = "teacher" if argv[1] == "trainer/train_distillation.py" else "initial weights"
         assert f"{starts_from}: {base} (128x{config.num_hidden_layers}" in result.stderr + result.stdout
     assert_demo_files_untouched(before, root)
