@@ -37,7 +37,7 @@ STEP = ["--max_steps", "1"]  # each training command trains one step: what is te
 
 def after_sft_commands() -> list[list[str]]:
     """The commands of README.md's "After SFT" block, split as a shell splits them."""
-    return [shlex.split(line) for line in bash_lines("README.md", "## After SFT: LoRA, DPO and GRPO")]
+    return [shlex.split(line) for line in bash_lines("README.md", "## After SFT: LoRA, DPO, GRPO, distillation, tool use")]
 
 
 def demo_stages(tmp_path: Path, *demo_args: str) -> dict[str, list[str]]:
@@ -107,23 +107,32 @@ def assert_demo_files_untouched(before: dict[str, str], root: Path) -> None:
 def test_the_training_commands_as_printed_take_the_demos_sft_model_and_leave_the_demos_files(tmp_path):
     """Before: `train_lora.py --hidden_size 128` refused the demo's out/full_sft_128.pth, checking the 8 layers,
     8 heads and 4 key/value heads it defaults to, never typed, against the file's 4, 4 and 2; and with the
-    demo's names the commands replaced the demo's adapter and its DPO and GRPO models."""
+    demo's names the commands replaced the demo's adapter and its DPO and GRPO models. Distillation's student
+    starts from random weights at the sizes typed, its teacher the demo's SFT model. (Agentic GRPO, from the tool SFT
+    command's model, runs its tools in the rollouts of a step: the slow case runs it, with the rest, as printed.)"""
     stages = demo_stages(tmp_path)
     root = clone(tmp_path)
     config = LMConfig(vocab_size=load_tokenizer(DEFAULT_TOKENIZER).get_vocab_size(),
                       **size_of(stages["trainer/train_full_sft.py"]))
     assert config.num_hidden_layers != LMConfig.num_hidden_layers  # else the sizes not typed would fit by chance
     base = write_base(root / "out", config)
-    for name in ("dpo", "grpo"):  # the demo's later stages, as files its names would replace
+    for name in ("dpo", "grpo", "student_distill", "tool_sft", "tool_grpo"):  # the demo's later stages' files
         write_base(root / "out", config, seed=1, name=name)
     write_adapter(root / "out", config, base=base)
     before = hashes(root)
     trained = [argv for argv in after_sft_commands() if argv[1].startswith("trainer/train_")]
-    assert [argv[1] for argv in trained] == [f"trainer/train_{s}.py" for s in ("lora", "dpo", "grpo")]
-    assert all("--num_hidden_layers" not in argv for argv in trained)  # the sizes come from the file
-    for argv in trained:
-        result = run(root, argv + STEP)
-        assert f"initial weights: {base} (128x{config.num_hidden_layers}" in result.stderr + result.stdout
+    assert [argv[1] for argv in trained] == [f"trainer/train_{s}.py" for s in ("lora", "dpo", "grpo", "distillation",
+                                                                              "full_sft", "grpo")]
+    from_files = [argv for argv in trained if argv[1] != "trainer/train_distillation.py"]
+    assert all("--num_hidden_layers" not in argv for argv in from_files)  # the sizes come from the file
+    assert trained[-1][trained[-1].index("--from_weight") + 1] == "my_tool_sft"  # agentic GRPO: from tool SFT's
+    for argv in trained[:-1]:
+        # Distillation and tool SFT on 2 conversations a step (their 32 of 192 tokens and 8 of 960, each with a
+        # second model's forward or long sequences, add seconds): what is tested is which files they read and write.
+        later = argv[1] == "trainer/train_distillation.py" or "my_tool_sft" in argv
+        result = run(root, argv + STEP + (["--batch_size", "2"] if later else []))
+        starts_from = "teacher" if argv[1] == "trainer/train_distillation.py" else "initial weights"
+        assert f"{starts_from}: {base} (128x{config.num_hidden_layers}" in result.stderr + result.stdout
     assert_demo_files_untouched(before, root)
 
 
@@ -162,4 +171,5 @@ def test_every_after_sft_command_runs_as_printed_after_the_demo_and_the_demos_fi
         # An eval or export of a name no command above wrote fails: the demo's files stay as they were (below)
         run(root, argv + STEP if argv[1].startswith("trainer/train_") else argv)
     assert_demo_files_untouched(before, root)
-    assert {"out/lora_my_128.pth", "out/my_dpo_128.pth", "out/my_grpo_128.pth"} <= set(hashes(root))
+    assert {f"out/{name}_128.pth" for name in ("lora_my", "my_dpo", "my_grpo", "my_student", "my_tool_sft",
+                                                "my_tool_grpo")} <= set(hashes(root))

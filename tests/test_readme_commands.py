@@ -107,7 +107,8 @@ def test_every_training_command_shown_passes_its_scripts_flag_checks(tmp_path):
                         (tmp_path / argv[i + 1]).touch()
                         argv[i + 1] = str(tmp_path / argv[i + 1])
                 commands.setdefault((script, *argv), page)
-    assert {c[0] for c in commands} >= {f"trainer/train_{s}.py" for s in ("pretrain", "full_sft", "lora", "dpo", "grpo")}
+    assert {c[0] for c in commands} >= {f"trainer/train_{s}.py" for s in ("pretrain", "full_sft", "lora", "dpo", "grpo",
+                                                                         "distillation")}
     result = subprocess.run([sys.executable, "-c", CHECK_FLAGS, json.dumps(list(commands))], cwd=REPO,
                             env=child_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -153,8 +154,8 @@ def test_ci_installs_and_tests_with_the_readmes_own_lines_in_the_venv_it_makes_w
     patterns = re.findall(r"readme_line '([^']+)'", (REPO / ".ci" / "run").read_text(encoding="utf-8"))
     lines = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
     found = [next((line for line in lines if re.search(pattern, line)), None) for pattern in patterns]
-    assert found == [lines[lines.index("```bash", lines.index("## Install")) + 1],
-                     lines[lines.index("```bash", lines.index("## Install")) + 2],
+    assert found == [lines[lines.index("```bash", lines.index("## Start here")) + 1],
+                     lines[lines.index("```bash", lines.index("## Start here")) + 2],
                      lines[lines.index("```bash", lines.index("## Run the tests")) + 1]], found
     venv = re.search(r"-m venv (\S+)", found[0]).group(1)
     ignored = subprocess.run(["git", "check-ignore", "-q", f"{venv}/lib/site.py"], cwd=REPO)
