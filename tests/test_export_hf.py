@@ -78,6 +78,31 @@ def test_transformers_loads_export_with_same_logits_and_greedy_tokens(tmp_path, 
     assert torch.equal(ours, theirs)
 
 
+@pytest.mark.parametrize("scaling", [{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+                                     {"rope_type": "linear", "factor": 4.0}], ids=["yarn", "linear"])
+def test_a_scaled_export_gives_transformers_our_logits_past_the_trained_length(tmp_path, tokenizer_path, scaling):
+    # Trained at 16 positions, read at 64: the rotary table (and YaRN's attention factor) must be transformers' own.
+    vocab_size = Tokenizer.from_file(str(tokenizer_path)).get_vocab_size()
+    plain = random_model(vocab_size)
+    model = CausalLM(LMConfig(**{**plain.config.to_dict(), "rope_scaling": scaling})).eval()
+    model.load_state_dict(plain.state_dict())
+    export_hf(model.state_dict(), model.config, tmp_path, tokenizer_path, dtype=torch.float32)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["rope_scaling"] == scaling
+    hf_model = load_hf(tmp_path)
+    assert hf_model.config.rope_parameters["rope_type"] == scaling["rope_type"]
+
+    ids = torch.randint(3, vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs, unscaled = model(ids).logits, hf_model(ids).logits, plain(ids).logits
+    max_diff = (ours - theirs).abs().max().item()
+    print(f"{scaling['rope_type']}: max |logits(ours) - logits(transformers)| = {max_diff:.3e} at 64 positions")
+    assert max_diff < 1e-4
+    assert (ours[:, 16:] - unscaled[:, 16:]).abs().max() > 1e-2  # the setting did change the numbers
+    state, config = import_hf(tmp_path)
+    assert config.rope_scaling == scaling  # and comes back with the folder
+
+
 def test_exported_tokenizer_renders_chatml(tmp_path, tokenizer_path):
     vocab_size = Tokenizer.from_file(str(tokenizer_path)).get_vocab_size()
     model = random_model(vocab_size)
