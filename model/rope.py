@@ -127,8 +127,8 @@ def rope_scaling_of_flags(args: argparse.Namespace, recorded: int | None, source
                          f"length is {recorded}; leave the flag out")
     trained = recorded if recorded is not None else flag
     if trained is None:
-        raise ValueError(f"--rope_scaling needs the length the model was trained at: {source} records none, so pass "
-                         f"--original_max_position_embeddings N")
+        raise ValueError(f"--rope_scaling needs the length the model was trained at, which {source} would record: "
+                         f"pass --original_max_position_embeddings N")
     scaling = {"rope_type": args.rope_scaling, "factor": args.rope_factor}
     if args.rope_scaling == "yarn":
         scaling["original_max_position_embeddings"] = trained
