@@ -4,6 +4,7 @@
     python scripts/export_gguf.py out/full_sft_768.pth --out model_q8.gguf --type q8_0
     python scripts/export_gguf.py hf_model --out model.gguf     # a folder scripts/export_hf.py wrote
     python scripts/export_gguf.py out/full_sft_768_moe.pth --out moe.gguf --num_experts_per_tok 2
+    python scripts/export_gguf.py out/full_sft_768.pth --out long.gguf --rope_scaling yarn --rope_factor 4
 
 The model is written as llama.cpp's `qwen3` architecture (`qwen3moe` with experts): our parameter
 names already follow Qwen3, so the weights are only renamed. The tokenizer goes in as a byte-level

@@ -358,3 +358,21 @@ def test_every_bad_input_or_output_of_export_hf_is_one_line_exit_2(tmp_path, tok
     for argv, start in cases:
         code, err = export_cli(capsys, *argv)
         assert code == 2 and err.startswith(start), (argv, err)
+
+
+def test_cli_writes_yarn_from_the_trained_length_beside_the_weights_or_the_flag_and_refuses_neither(
+        tmp_path, tokenizer_path, weights, capsys):
+    yarn = ["--rope_scaling", "yarn", "--rope_factor", "4"]
+    code, err = export_cli(capsys, weights, "-o", tmp_path / "untold", "--tokenizer", tokenizer_path, *yarn)
+    assert code == 2 and "pass --original_max_position_embeddings N" in err and err.count("\n") == 1, err
+    assert export_cli(capsys, weights, "-o", tmp_path / "flag", "--tokenizer", tokenizer_path, *yarn,
+                      "--original_max_position_embeddings", "32")[0] == 0
+    weights.with_suffix(".json").write_text('{"max_seq_len": 48}\n')
+    assert export_cli(capsys, weights, "-o", tmp_path / "told", "--tokenizer", tokenizer_path, *yarn)[0] == 0
+    code, err = export_cli(capsys, weights, "-o", tmp_path / "both", "--tokenizer", tokenizer_path, *yarn,
+                           "--original_max_position_embeddings", "32")
+    assert code == 2 and "records 48" in err, err
+    for name, trained in (("flag", 32), ("told", 48)):
+        config = json.loads((tmp_path / name / "config.json").read_text())
+        assert config["rope_scaling"] == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": trained}
+        assert config["max_position_embeddings"] == 4 * trained  # what transformers expects: no warning
