@@ -235,6 +235,8 @@ def create_app(model: CausalLM, tokenizer: Tokenizer, model_id: str, limits: Lim
     app = FastAPI(title=model_id)
     lock = threading.Lock()  # one model: one generation at a time, the others wait their turn
     positions = model.config.max_position_embeddings
+    scaled = model.config.rope_scaling  # --rope_scaling: the length limit is the trained length x the factor
+    reads = f"model reads ({scaled['rope_type']} x{scaled['factor']:g})" if scaled else "model was trained at"
     decode = chat_encoder(tokenizer).decode
 
     @app.get("/v1/models")
@@ -274,8 +276,6 @@ def create_app(model: CausalLM, tokenizer: Tokenizer, model_id: str, limits: Lim
                                      f"{positions} positions; shorten the conversation", "messages")
         trained = limits.trained_max_seq_len
         if trained is not None and len(prompt_ids) > trained:
-            scaled = model.config.rope_scaling  # --rope_scaling: the limit is the trained length x the factor
-            reads = f"model reads ({scaled['rope_type']} x{scaled['factor']:g})" if scaled else "model was trained at"
             if limits.long_prompts == "refuse":
                 return openai_error(400, f"messages: the prompt is {len(prompt_ids)} tokens, longer than the "
                                          f"{trained} the {reads}; shorten the conversation (or start "
