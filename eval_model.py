@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import re
 import sys
@@ -60,6 +61,7 @@ from eval_choices import choice_loglikelihoods, format_choice_scores, format_pai
 from model.weights import load_project_weights
 from model.lora import load_lora, note_if_another_base
 from model.model import CausalLM
+from model.rope import add_rope_scaling_flags, rope_scaling_of_flags
 from model.tokenizer import BOS_ID, EOS_ID, chars_for_tokens, load_tokenizer, text_end_for_tokens
 from trainer.hardening.checkpoint_io import trained_length
 from trainer.hardening.tracking import Validation, validation_loss
@@ -87,15 +89,20 @@ def load_model(args: argparse.Namespace, tokenizer: Tokenizer, device: torch.dev
     requested = {name: getattr(args, name) for name in SIZE_FLAGS}
     try:
         weights, lm_config = load_project_weights(path, requested, tokenizer.get_vocab_size())
+        # --rope_scaling: the rotary table stretched past the length the model was trained at (model/rope.py)
+        scaling = rope_scaling_of_flags(args, trained_length(path), str(path.with_suffix(".json")))
     except ValueError as error:  # same message; RuntimeError is this function's "cannot load it"
         raise RuntimeError(str(error)) from None
-    model = CausalLM(lm_config)
+    model = CausalLM(dataclasses.replace(lm_config, rope_scaling=scaling))
     model.load_state_dict(weights, strict=True)
     if log is not None:
         c = lm_config
         moe = f", MoE {c.num_experts} experts top-{c.num_experts_per_tok}" if c.use_moe else ""
         log(f"loaded {path}: hidden {c.hidden_size}, {c.num_hidden_layers} layers, {c.num_attention_heads} heads, "
             f"{c.num_key_value_heads} kv heads, vocab {c.vocab_size}{moe}, {model.num_parameters() / 1e6:.2f}M params")
+    if scaling and log is not None:
+        log(f"rope scaling: {scaling['rope_type']} x{args.rope_factor:g}, reads {readable_length(args, path)} tokens "
+            f"(docs/long_context.md)")
     if getattr(args, "lora", None):
         try:
             adapter = find_weight_file(Path(args.save_dir), f"lora_{args.lora}", lm_config.hidden_size,
@@ -121,7 +128,7 @@ def trained_context(args: argparse.Namespace, model: CausalLM, log: Callable[[st
     writes beside the weights, as scripts/serve_openai_api.py reads it); where no .json tells (minimind's
     weights), its positions, said to `log` in one line. RuntimeError for a .json without a length."""
     path = find_weight_file(Path(args.save_dir), args.weight, args.hidden_size, args.use_moe)
-    trained = trained_length(path)
+    trained = readable_length(args, path)
     if trained is None:
         log(f"note: no {path.with_suffix('.json').name} beside the weights tells the length the model was trained "
             f"at: texts are cut at its {model.config.max_position_embeddings} positions")
@@ -138,6 +145,13 @@ def prompt_room(args: argparse.Namespace, model: CausalLM, log: Callable[[str], 
         raise RuntimeError(f"--max_new_tokens {args.max_new_tokens}: the model has {positions} positions, for the "
                            f"prompt and the answer together; ask for fewer")
     return min(trained_context(args, model, log), positions - args.max_new_tokens)
+
+
+def readable_length(args: argparse.Namespace, path: Path) -> int | None:
+    """The tokens the model at `path` reads: the length it was trained at (out/{weight}.json, else
+    --original_max_position_embeddings), times --rope_factor under --rope_scaling; None where nothing tells it."""
+    trained = trained_length(path) or getattr(args, "original_max_position_embeddings", None)
+    return int(trained * args.rope_factor) if trained and getattr(args, "rope_scaling", None) else trained
 
 
 def find_weight_file(save_dir: Path, weight: str, hidden_size: int | None, use_moe: int | None) -> Path:
@@ -413,6 +427,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
           help="default: from the weights" + (" (MoE top-k: the file cannot tell; model default 1)"
                                               if name == "num_experts_per_tok" else ""))
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_rope_scaling_flags(p)  # --rope_scaling yarn --rope_factor 4: past the trained length (docs/long_context.md)
 
 
 def build_arg_parser() -> argparse.ArgumentParser:

@@ -13,6 +13,7 @@ Reading our own .pth files, and their sizes off the tensors, is model/weights.py
 """
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from tokenizers import Tokenizer
 
 from model.chat_template import CHAT_TEMPLATE  # the training format, for apply_chat_template
 from model.model import LMConfig
+from model.rope import rope_scaling_of_config
 from model.tokenizer import BOS_ID, BOS_TOKEN, DEFAULT_TOKENIZER, EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS
 from model.weights import check_regular_file, check_state_dict
 from output_paths import atomic_write_bytes, atomic_write_text, check_output_folder
@@ -51,6 +53,7 @@ def check_tokenizer(tokenizer_path: Path, lm_config: LMConfig) -> None:
 def hf_config(lm_config: LMConfig, dtype: torch.dtype) -> dict:
     """config.json contents for Qwen3ForCausalLM, or Qwen3MoeForCausalLM when use_moe."""
     dtype_name = str(dtype).removeprefix("torch.")
+    scaling = lm_config.rope_scaling
     config = {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
@@ -62,9 +65,10 @@ def hf_config(lm_config: LMConfig, dtype: torch.dtype) -> dict:
         "num_key_value_heads": lm_config.num_key_value_heads,
         "head_dim": lm_config.head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": lm_config.max_position_embeddings,
+        "max_position_embeddings": positions_of(lm_config),
         "rope_theta": lm_config.rope_theta,
-        "rope_scaling": None,
+        # "rope_scaling" with "rope_type": what transformers 4.x reads, and 5.x moves into rope_parameters.
+        "rope_scaling": dict(scaling) if scaling else None,
         "rms_norm_eps": lm_config.rms_norm_eps,
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -96,6 +100,15 @@ def hf_config(lm_config: LMConfig, dtype: torch.dtype) -> dict:
     return config
 
 
+def positions_of(lm_config: LMConfig) -> int:
+    """max_position_embeddings as transformers reads it: under YaRN the scaled length, trained x factor
+    (transformers warns when it is not); else the rotary table's length."""
+    scaling = lm_config.rope_scaling
+    if scaling and scaling["rope_type"] == "yarn":
+        return math.ceil(scaling["original_max_position_embeddings"] * scaling["factor"])
+    return lm_config.max_position_embeddings
+
+
 def tokenizer_config(lm_config: LMConfig) -> dict:
     """tokenizer_config.json: a fast tokenizer over tokenizer.json, its special tokens, ChatML."""
     return {
@@ -104,7 +117,7 @@ def tokenizer_config(lm_config: LMConfig) -> dict:
         "eos_token": EOS_TOKEN,
         "pad_token": PAD_TOKEN,
         "unk_token": PAD_TOKEN,
-        "model_max_length": lm_config.max_position_embeddings,
+        "model_max_length": positions_of(lm_config),
         "clean_up_tokenization_spaces": False,
         "chat_template": CHAT_TEMPLATE,
     }
@@ -197,10 +210,10 @@ def _lm_config_of(config: dict, config_file: Path) -> LMConfig:
     if model_type not in ("qwen3", "qwen3_moe"):
         raise ValueError(f"{config_file}: only qwen3 and qwen3_moe models can be imported, this one is {model_type!r}")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_scaling = rope_scaling_of_config(config, str(config_file))  # None, yarn or linear; others: ValueError
     unsupported = {
         "attention_bias": config.get("attention_bias", False),
         "use_sliding_window": config.get("use_sliding_window", False),
-        "rope type": rope.get("rope_type", "default") != "default",
         "hidden_act": config.get("hidden_act", "silu") != "silu",
         "mlp_only_layers": bool(config.get("mlp_only_layers")),
         "decoder_sparse_step": config.get("decoder_sparse_step", 1) != 1,
@@ -220,6 +233,7 @@ def _lm_config_of(config: dict, config_file: Path) -> LMConfig:
         intermediate_size=config["intermediate_size"],
         max_position_embeddings=config["max_position_embeddings"],
         rope_theta=rope.get("rope_theta", config.get("rope_theta", 1e6)),
+        rope_scaling=rope_scaling,
         rms_norm_eps=config["rms_norm_eps"],
         tie_word_embeddings=config.get("tie_word_embeddings", False),
     )

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.rope import check_rope_scaling, inverse_frequencies
 from model.tokenizer import EOS_ID, PAD_ID
 
 # A KV cache is one (keys, values) pair per layer, each shaped (batch, kv_heads, seq, head_dim).
@@ -59,6 +60,7 @@ class LMConfig:
     intermediate_size: int | None = None  # None -> default_intermediate_size(hidden_size)
     max_position_embeddings: int = 32768
     rope_theta: float = 1e6
+    rope_scaling: dict | None = None  # None, or HF's {"rope_type": "yarn"/"linear", "factor", ...}: model/rope.py
     rms_norm_eps: float = 1e-6
     dropout: float = 0.0
     use_moe: bool = False
@@ -87,6 +89,7 @@ class LMConfig:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim ({self.head_dim}) must be even: rotary embeddings rotate pairs")
+        check_rope_scaling(self.rope_scaling)
         if self.intermediate_size is None:
             self.intermediate_size = default_intermediate_size(self.hidden_size)
         if self.moe_intermediate_size is None:
@@ -143,12 +146,13 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps).to(dtype)
 
 
-def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos and sin tables of shape (seq, head_dim) for the given absolute positions."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=positions.device) / head_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+                   scaling: dict | None = None):
+    """cos and sin tables of shape (seq, head_dim) for the given absolute positions (model/rope.py: scaling)."""
+    inv_freq, attention_factor = inverse_frequencies(head_dim, theta, scaling)
+    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
     angles = torch.cat((freqs, freqs), dim=-1)  # "rotate_half" layout: pair i with i + head_dim/2
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    return (angles.cos() * attention_factor).to(dtype), (angles.sin() * attention_factor).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -289,7 +293,7 @@ class Decoder(nn.Module):
         # Rotary tables for every position, computed once in fp32. Not persistent: they are not
         # weights, so state_dict() keeps exactly Qwen3's and minimind's keys.
         cos, sin = rotary_cos_sin(torch.arange(config.max_position_embeddings), config.head_dim,
-                                  config.rope_theta, torch.float32)
+                                  config.rope_theta, torch.float32, config.rope_scaling)
         half = config.head_dim // 2
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_signed_sin", torch.cat((-sin[:, :half], sin[:, half:]), dim=-1), persistent=False)

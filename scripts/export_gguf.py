@@ -4,6 +4,7 @@
     python scripts/export_gguf.py out/full_sft_768.pth --out model_q8.gguf --type q8_0
     python scripts/export_gguf.py hf_model --out model.gguf     # a folder scripts/export_hf.py wrote
     python scripts/export_gguf.py out/full_sft_768_moe.pth --out moe.gguf --num_experts_per_tok 2
+    python scripts/export_gguf.py out/full_sft_768.pth --out long.gguf --rope_scaling yarn --rope_factor 4
 
 The model is written as llama.cpp's `qwen3` architecture (`qwen3moe` with experts): our parameter
 names already follow Qwen3, so the weights are only renamed. The tokenizer goes in as a byte-level
@@ -21,7 +22,9 @@ tests/test_gguf.py runs llama.cpp itself on the files: same token ids, same gree
 """
 
 import argparse
+import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -36,6 +39,7 @@ from model.chat_template import CHAT_TEMPLATE  # noqa: E402
 from model.hf import check_tokenizer, import_hf  # noqa: E402
 from model.weights import load_project_weights  # noqa: E402
 from model.model import LMConfig  # noqa: E402
+from model.rope import add_rope_scaling_flags, rope_scaling_of_flags  # noqa: E402
 # QWEN2_PATTERN: Qwen2's regex, which llama.cpp runs for tokenizer.ggml.pre = qwen2
 from model.tokenizer import BOS_ID, DEFAULT_TOKENIZER, QWEN2_PATTERN  # noqa: E402
 from output_paths import OutputPathError, check_user_output, written_by_name  # noqa: E402
@@ -121,7 +125,10 @@ def add_hyperparameters(writer: gguf.GGUFWriter, cfg: LMConfig, trained: int | N
     # llama.cpp reads {arch}.context_length as the length the model was trained at (n_ctx_train): its default
     # context, and the length past which it warns. The rotary table (max_position_embeddings, 32,768) is far longer
     # than anything the demo trained on, so the trained max_seq_len goes there where training recorded it.
-    writer.add_context_length(trained or cfg.max_position_embeddings)
+    scaling = cfg.rope_scaling
+    factor = scaling["factor"] if scaling else 1
+    # Under --rope_scaling the length read is the trained one times the factor (llama.cpp warns past it).
+    writer.add_context_length(math.ceil(trained * factor) if trained else cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_feed_forward_length(cfg.intermediate_size)
@@ -131,12 +138,32 @@ def add_hyperparameters(writer: gguf.GGUFWriter, cfg: LMConfig, trained: int | N
     writer.add_value_length(cfg.head_dim)
     writer.add_rope_freq_base(cfg.rope_theta)  # rotate-half RoPE: llama.cpp's NEOX, its qwen3 default
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if scaling:
+        add_rope_scaling(writer, scaling)
     writer.add_eos_token_id(cfg.eos_token_id)
     writer.add_pad_token_id(cfg.pad_token_id)
     if cfg.use_moe:  # llama.cpp's qwen3moe: softmax router, top-k, the k weights renormalised, as MoEFeedForward
         writer.add_expert_count(cfg.num_experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+
+
+def add_rope_scaling(writer: gguf.GGUFWriter, scaling: dict) -> None:
+    """llama.cpp's rope.scaling keys for model/rope.py's setting: the same frequencies and attention factor."""
+    factor = scaling["factor"]
+    writer.add_rope_scaling_factor(factor)  # llama.cpp's freq_scale = 1 / factor
+    if scaling["rope_type"] == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        return
+    if (scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1) != (32, 1):
+        raise ValueError(f"rope_scaling {scaling}: llama.cpp's qwen3 reads no beta_fast / beta_slow (it uses 32 and 1)")
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])  # the ramp's trained length
+    # ggml multiplies cos and sin by 0.1 * ln(factor) + 1 itself (llama-context.cpp cancels any other YaRN factor
+    # first), then by rope.scaling.attn_factor: 1.0 keeps YaRN's, and a config's own attention_factor (minimind's
+    # 1.0) is written divided by it.
+    yarn_mscale = 0.1 * math.log(factor) + 1.0
+    writer.add_rope_scaling_attn_factors((scaling.get("attention_factor") or yarn_mscale) / yarn_mscale)
 
 
 PER_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
@@ -177,14 +204,20 @@ def add_tensor(writer: gguf.GGUFWriter, name: str, tensor: torch.Tensor, qtype: 
 
 
 def export_gguf(source: Path, out: Path, tokenizer_path: Path | None = None, qtype: str = "f16",
-                force_pre: str | None = None, num_experts_per_tok: int | None = None) -> str:
-    """Write `source` (an out/*.pth or a Hugging Face folder) to `out`; returns the tokenizer.ggml.pre used."""
+                force_pre: str | None = None, num_experts_per_tok: int | None = None,
+                rope_flags: argparse.Namespace | None = None) -> str:
+    """Write `source` (an out/*.pth or a Hugging Face folder) to `out`; returns the tokenizer.ggml.pre used.
+    `rope_flags`: --rope_scaling, --rope_factor, --original_max_position_embeddings for an out/*.pth."""
     if source.is_dir():  # scripts/export_hf.py's folder: config.json, model.safetensors, tokenizer.json
         if not (source / "config.json").is_file():
             raise FileNotFoundError(f"{source} has no config.json: pass a folder scripts/export_hf.py wrote")
         state_dict, cfg = import_hf(source)
         tokenizer_path = tokenizer_path or source / "tokenizer.json"
-        trained = None  # an HF folder does not record it
+        # An HF folder records no trained length, except as YaRN's original_max_position_embeddings.
+        trained = (cfg.rope_scaling or {}).get("original_max_position_embeddings")
+        if rope_flags is not None and rope_flags.rope_scaling:
+            raise ValueError(f"{source}: a Hugging Face folder carries its rope_scaling in config.json; the "
+                             f"--rope_scaling flags are for an out/*.pth")
     elif source.is_file():
         requested = {"num_experts_per_tok": num_experts_per_tok}  # the one size no tensor records
         state_dict, cfg = load_project_weights(source, requested)
@@ -193,6 +226,10 @@ def export_gguf(source: Path, out: Path, tokenizer_path: Path | None = None, qty
             trained = trained_length(source)  # out/{run}.json beside the weights
         except RuntimeError as error:
             raise ValueError(str(error)) from None
+        if rope_flags is not None:  # --rope_scaling: from out/{run}.json's length, or the flag's
+            scaling = rope_scaling_of_flags(rope_flags, trained, str(source.with_suffix(".json")))
+            trained = trained or rope_flags.original_max_position_embeddings
+            cfg = dataclasses.replace(cfg, rope_scaling=scaling)
     elif source.exists():  # a FIFO or a device: named, never opened (a read would wait for a writer)
         raise ValueError(f"{source} is not a regular file: pass an out/*.pth file or a folder from scripts/export_hf.py")
     else:
@@ -240,13 +277,15 @@ def main() -> None:
                         help="write this tokenizer.ggml.pre without checking the tokenizer's pre-tokenizer")
     parser.add_argument("--num_experts_per_tok", type=int, default=None,
                         help="MoE top-k of an out/*.pth (no tensor records it; default 1, as in training)")
+    add_rope_scaling_flags(parser)  # llama.cpp's rope.scaling keys: the same numbers as eval_model.py's flags
     args = parser.parse_args()
     try:
         if args.out.is_dir():
             raise ValueError(f"--out {args.out} is a folder: give the file to write, e.g. {args.out / 'model.gguf'}")
         # Not over a file without --force, never over its own source (a FIFO or device there is refused at once).
         check_user_output(args.out, args.force, inputs_of(args.source, args.tokenizer))
-        pre = export_gguf(args.source, args.out, args.tokenizer, args.type, args.force_pre, args.num_experts_per_tok)
+        pre = export_gguf(args.source, args.out, args.tokenizer, args.type, args.force_pre, args.num_experts_per_tok,
+                          args)
     except (ValueError, OSError, OutputPathError) as error:  # the user's input, not a bug: one line, no traceback
         message = "; ".join(line.strip() for line in str(error).splitlines()).replace(":; ", ": ")
         print(f"export_gguf: {message}", file=sys.stderr)

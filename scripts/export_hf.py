@@ -14,6 +14,8 @@ Run from the repository root (or as `python scripts/export_hf.py ...` from anywh
     # or kept apart, as a PEFT adapter folder over the plain export of its base (both run on the same file):
     python -m scripts.export_hf out/full_sft_128.pth --peft_adapter out/lora_demo_128.pth -o hf_lora_demo
     #   PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("hf_model"), "hf_lora_demo")
+    # reading past the trained length (docs/long_context.md): config.json's rope_scaling, as transformers reads it
+    python -m scripts.export_hf out/pretrain_128.pth -o hf_model_yarn --rope_scaling yarn --rope_factor 4
     # the reverse: a Hugging Face directory (Qwen3 layout) -> an out/-style FP16 .pth
     python -m scripts.export_hf hf_model --reverse -o out/imported_128.pth
 
@@ -24,6 +26,7 @@ too). Every error is one line, exit 2. The work is done by model/hf.py; this fil
 """
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -36,8 +39,10 @@ from model.hf import DTYPES, HF_FILES, export_hf, import_hf
 from model.weights import infer_sizes, load_project_weights, size_flags
 from model.lora import PEFT_FILES, export_peft, load_lora, merged_state_dict, note_if_another_base, read_adapter
 from model.model import CausalLM, LMConfig
+from model.rope import add_rope_scaling_flags, rope_scaling_of_flags
 from model.tokenizer import DEFAULT_TOKENIZER
 from output_paths import OutputPathError, atomic_write, check_output_folder, check_user_output
+from trainer.hardening.checkpoint_io import trained_length
 
 SIZE_FLAGS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "use_moe", "intermediate_size", "num_experts", "num_experts_per_tok")
@@ -55,6 +60,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     lora.add_argument("--merge_lora", default=None, help="an out/lora_*.pth adapter of `path`: export W + B A · α/r")
     lora.add_argument("--peft_adapter", default=None,
                       help="an out/lora_*.pth adapter of `path`: write it to --output as a PEFT adapter folder")
+    add_rope_scaling_flags(parser)  # written as config.json's rope_scaling, which transformers reads
     sizes = parser.add_argument_group("model size (optional: read from the weights; a flag given must match them)")
     for name in SIZE_FLAGS:
         sizes.add_argument(f"--{name}", type=int, default=None, **({"choices": [0, 1]} if name == "use_moe" else {}))
@@ -83,6 +89,12 @@ def check_outputs(args: argparse.Namespace) -> None:
 def export(args: argparse.Namespace) -> None:
     requested = {name: getattr(args, name) for name in SIZE_FLAGS}
     state_dict, lm_config = load_project_weights(args.path, requested)
+    try:  # --rope_scaling: from out/{weight}.json's trained length, or --original_max_position_embeddings
+        recorded = trained_length(Path(args.path))
+    except RuntimeError as error:
+        raise ValueError(str(error)) from None
+    scaling = rope_scaling_of_flags(args, recorded, str(Path(args.path).with_suffix(".json")))
+    lm_config = dataclasses.replace(lm_config, rope_scaling=scaling)
     if lm_config.use_moe and args.num_experts_per_tok is None:
         # A resume file records the top-k; a bare state dict cannot, so there it is the default.
         print(f"note: MoE top-k num_experts_per_tok={lm_config.num_experts_per_tok} (from a resume file's config, "

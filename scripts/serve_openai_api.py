@@ -52,13 +52,13 @@ from fastapi.responses import StreamingResponse
 from tokenizers import Tokenizer
 
 from dataset.tool_calls import visible_content
-from eval_model import add_model_flags, chat_encoder, chat_prompt_ids, find_weight_file, generate_ids, load_model
+from eval_model import add_model_flags, chat_encoder, chat_prompt_ids, find_weight_file, generate_ids, load_model, \
+    readable_length
 from model.model import CausalLM
 from model.tokenizer import load_tokenizer
 from scripts.openai_chat import BadRequest, read_answer, read_chat_request, reply_start_ids, tool_call_deltas
 from scripts.request_guard import API_KEY_VARIABLE, api_key_problem, guarded, host_names, openai_error
 from scripts.web import add_chat_page
-from trainer.hardening.checkpoint_io import trained_length
 
 
 class Limits(NamedTuple):
@@ -66,7 +66,8 @@ class Limits(NamedTuple):
     max_tokens_default: int  # --max_new_tokens: max_tokens of a request that gives none
     max_tokens_limit: int  # --max_tokens_limit: a larger max_tokens gets a 400
     request_time_limit_s: float  # --request_time_limit: seconds of generation, then finish_reason "length"
-    trained_max_seq_len: int | None  # out/{weight}.json's max_seq_len; None: not recorded (minimind's weights)
+    trained_max_seq_len: int | None  # out/{weight}.json's max_seq_len (x --rope_factor under --rope_scaling); None: not
+    # recorded (minimind's weights)
     long_prompts: str  # --long_prompts: "refuse" or "warn" a prompt longer than trained_max_seq_len
     max_request_bytes: int  # --max_request_bytes: a larger body gets a 413
 
@@ -196,6 +197,8 @@ def create_app(model: CausalLM, tokenizer: Tokenizer, model_id: str, limits: Lim
     app = FastAPI(title=model_id, docs_url=None, redoc_url=None, openapi_url=None)  # their pages load a CDN's script
     lock = threading.Lock()  # one model: one generation at a time, the others wait their turn
     positions = model.config.max_position_embeddings
+    scaled = model.config.rope_scaling  # --rope_scaling: the length limit is the trained length x the factor
+    reads = f"model reads ({scaled['rope_type']} x{scaled['factor']:g})" if scaled else "model was trained at"
     decode = chat_encoder(tokenizer).decode
 
     @app.get("/v1/models")
@@ -226,7 +229,7 @@ def create_app(model: CausalLM, tokenizer: Tokenizer, model_id: str, limits: Lim
         if trained is not None and len(prompt_ids) > trained:
             if limits.long_prompts == "refuse":
                 return openai_error(400, f"messages: the prompt is {len(prompt_ids)} tokens, longer than the "
-                                         f"{trained} the model was trained at; shorten the conversation (or start "
+                                         f"{trained} the {reads}; shorten the conversation (or start "
                                          f"the server with --long_prompts warn)", "messages")
             print(f"warning: a prompt of {len(prompt_ids)} tokens, longer than the {trained} the model was trained "
                   f"at: its answer may be poor", file=sys.stderr, flush=True)
@@ -349,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = find_weight_file(Path(args.save_dir), args.weight, args.hidden_size, args.use_moe)
         model = load_model(args, tokenizer, torch.device(args.device), log=lambda line: print(line, file=sys.stderr))
-        trained = trained_length(path)
+        trained = readable_length(args, path)  # out/{weight}.json's length, x --rope_factor under --rope_scaling
     except (FileNotFoundError, RuntimeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2  # an expected error exits 2, as in eval_model.py

@@ -78,6 +78,31 @@ def test_transformers_loads_export_with_same_logits_and_greedy_tokens(tmp_path, 
     assert torch.equal(ours, theirs)
 
 
+@pytest.mark.parametrize("scaling", [{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+                                     {"rope_type": "linear", "factor": 4.0}], ids=["yarn", "linear"])
+def test_a_scaled_export_gives_transformers_our_logits_past_the_trained_length(tmp_path, tokenizer_path, scaling):
+    # Trained at 16 positions, read at 64: the rotary table (and YaRN's attention factor) must be transformers' own.
+    vocab_size = Tokenizer.from_file(str(tokenizer_path)).get_vocab_size()
+    plain = random_model(vocab_size)
+    model = CausalLM(LMConfig(**{**plain.config.to_dict(), "rope_scaling": scaling})).eval()
+    model.load_state_dict(plain.state_dict())
+    export_hf(model.state_dict(), model.config, tmp_path, tokenizer_path, dtype=torch.float32)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["rope_scaling"] == scaling
+    hf_model = load_hf(tmp_path)
+    assert hf_model.config.rope_parameters["rope_type"] == scaling["rope_type"]
+
+    ids = torch.randint(3, vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs, unscaled = model(ids).logits, hf_model(ids).logits, plain(ids).logits
+    max_diff = (ours - theirs).abs().max().item()
+    print(f"{scaling['rope_type']}: max |logits(ours) - logits(transformers)| = {max_diff:.3e} at 64 positions")
+    assert max_diff < 1e-4
+    assert (ours[:, 16:] - unscaled[:, 16:]).abs().max() > 1e-2  # the setting did change the numbers
+    state, config = import_hf(tmp_path)
+    assert config.rope_scaling == scaling  # and comes back with the folder
+
+
 def test_exported_tokenizer_renders_chatml(tmp_path, tokenizer_path):
     vocab_size = Tokenizer.from_file(str(tokenizer_path)).get_vocab_size()
     model = random_model(vocab_size)
@@ -333,3 +358,21 @@ def test_every_bad_input_or_output_of_export_hf_is_one_line_exit_2(tmp_path, tok
     for argv, start in cases:
         code, err = export_cli(capsys, *argv)
         assert code == 2 and err.startswith(start), (argv, err)
+
+
+def test_cli_writes_yarn_from_the_trained_length_beside_the_weights_or_the_flag_and_refuses_neither(
+        tmp_path, tokenizer_path, weights, capsys):
+    yarn = ["--rope_scaling", "yarn", "--rope_factor", "4"]
+    code, err = export_cli(capsys, weights, "-o", tmp_path / "untold", "--tokenizer", tokenizer_path, *yarn)
+    assert code == 2 and "pass --original_max_position_embeddings N" in err and err.count("\n") == 1, err
+    assert export_cli(capsys, weights, "-o", tmp_path / "flag", "--tokenizer", tokenizer_path, *yarn,
+                      "--original_max_position_embeddings", "32")[0] == 0
+    weights.with_suffix(".json").write_text('{"max_seq_len": 48}\n')
+    assert export_cli(capsys, weights, "-o", tmp_path / "told", "--tokenizer", tokenizer_path, *yarn)[0] == 0
+    code, err = export_cli(capsys, weights, "-o", tmp_path / "both", "--tokenizer", tokenizer_path, *yarn,
+                           "--original_max_position_embeddings", "32")
+    assert code == 2 and "records 48" in err, err
+    for name, trained in (("flag", 32), ("told", 48)):
+        config = json.loads((tmp_path / name / "config.json").read_text())
+        assert config["rope_scaling"] == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": trained}
+        assert config["max_position_embeddings"] == 4 * trained  # what transformers expects: no warning

@@ -139,6 +139,13 @@ def top1_agreement(model: CausalLM, prompt: list[int], theirs: list[int]) -> int
     return sum(a == b for a, b in zip(ours, theirs))
 
 
+def top1_gaps(model: CausalLM, prompt: list[int], theirs: list[int]) -> list[float]:
+    """At each of llama.cpp's greedy steps, how far below our best logit (given the same prefix) its pick is."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + theirs])).logits[0, len(prompt) - 1:-1]
+    return (logits.max(-1).values - logits[torch.arange(len(theirs)), theirs]).tolist()
+
+
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory):
     """A tiny model with the committed tokenizer, its out/*.pth and its FP16 and Q8_0 GGUF files."""
@@ -166,6 +173,39 @@ def test_llama_cpp_tokenizes_every_text_and_greedy_decodes_as_we_do_from_an_fp16
     print(f"FP16 greedy equal on {sum(a == b for a, b in zip(ours_greedy, theirs_greedy))}/{len(prompts)} prompts")
     assert ours_greedy == theirs_greedy
     assert min(len(set(g)) for g in ours_greedy) >= 3, f"the test model degenerated: {ours_greedy}"
+
+
+@pytest.mark.parametrize("flags", [("yarn", "4"), ("linear", "4")], ids=["yarn", "linear"])
+def test_llama_cpp_greedy_decodes_as_we_do_past_the_trained_length_under_rope_scaling(dense, tmp_path, llama_cpp, flags):
+    # Trained at 16 (out/{run}.json), prompts of 20 to 60 tokens and 16 new ones: every step past 16 positions.
+    tmp, tokenizer, model, prompts = dense
+    pth = save_pth(model, tmp_path / "full_sft_64.pth")
+    (tmp_path / "full_sft_64.json").write_text('{"max_seq_len": 16}\n')
+    code, _, err = export(pth, "--out", tmp_path / "scaled.gguf", "--rope_scaling", flags[0], "--rope_factor", flags[1])
+    assert code == 0, err
+    fields = gguf.GGUFReader(tmp_path / "scaled.gguf").fields
+    value = lambda key: fields[f"qwen3.{key}"].parts[-1].tobytes().decode() if key.endswith("type") \
+        else fields[f"qwen3.{key}"].parts[-1][0]  # noqa: E731
+    assert value("rope.scaling.type") == flags[0] and value("rope.scaling.factor") == 4 \
+        and value("context_length") == 64
+    if flags[0] == "yarn":
+        assert value("rope.scaling.original_context_length") == 16 and value("rope.scaling.attn_factor") == 1.0
+    scaling = {"rope_type": flags[0], "factor": 4.0, **({"original_max_position_embeddings": 16}
+                                                         if flags[0] == "yarn" else {})}
+    scaled = CausalLM(LMConfig(**{**model.config.to_dict(), "rope_scaling": scaling})).eval()
+    scaled.load_state_dict(model.state_dict())
+    long_prompts = [p + tokenizer.encode(text).ids for p, text in zip(prompts, HAND_TEXTS[:3])] + [
+        tokenizer.encode(demo_texts(2)[0]).ids[:60]]
+    assert min(map(len, long_prompts)) > 16
+    theirs = llama_cpp(tmp_path / "scaled.gguf", prompts=long_prompts)
+    assert theirs["train_context"] == 64
+    # Each of llama.cpp's greedy tokens is our top token after its prefix, or within 1e-3 of it: a near tie that
+    # FP16 arithmetic decides either way (one in the linear run: logits 4.4630 and 4.4628).
+    gaps = [gap for p, g in zip(long_prompts, theirs["generated"]) for gap in top1_gaps(scaled, p, until_eos(g))]
+    print(f"{flags[0]}: llama.cpp's {len(gaps)} greedy tokens past the trained length are our top-1 at "
+          f"{sum(gap == 0 for gap in gaps)}, the largest gap {max(gaps):.2e}")
+    assert len(gaps) >= 48 and max(gaps) < 1e-3
+    assert greedy(scaled, long_prompts) != greedy(model, long_prompts)  # the scaling changed what the model writes
 
 
 def test_the_length_training_recorded_beside_the_weights_is_the_context_length_llama_cpp_reads(dense, tmp_path,

@@ -438,3 +438,22 @@ def test_a_trained_length_file_without_a_positive_length_is_refused_in_one_line(
     assert status == 2 and http is None
     sidecar = tmp_path / "full_sft_32.json"
     assert err.startswith(f'error: {sidecar} holds "max_seq_len": ') and "positive whole number" in err, err
+
+
+def test_yarn_moves_the_length_refusal_to_the_trained_length_times_the_factor(tmp_path, monkeypatch, capsys):
+    from lora_files import tiny_config, write_base
+
+    write_base(tmp_path, tiny_config())
+    (tmp_path / "full_sft_32.json").write_text('{"max_seq_len": 16}', encoding="utf-8")
+    question = [{"role": "user", "content": "a red fox and " * 3}]  # 27 tokens: past 16, within 16 x 2
+    status, plain = tiny_server(tmp_path, monkeypatch)
+    assert status == 0 and openai_refusal(plain.post("/v1/chat/completions", json={"messages": question}))[0] == 400
+    status, scaled = tiny_server(tmp_path, monkeypatch, "--rope_scaling", "yarn", "--rope_factor", "2")
+    assert status == 0 and scaled.get("/v1/models").json()["data"][0]["trained_max_seq_len"] == 32
+    reply = scaled.post("/v1/chat/completions", json={"messages": question, "max_tokens": 3})
+    assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == 27
+    status, param, message = openai_refusal(scaled.post("/v1/chat/completions", json={"messages": question * 2}))
+    assert status == 400 and param == "messages" and "longer than the 32 the model reads (yarn x2)" in message
+    assert "rope scaling: yarn x2, reads 32 tokens" in capsys.readouterr().err
+    assert tiny_server(tmp_path, monkeypatch, "--rope_scaling", "yarn")[0] == 2  # no factor: one line, exit 2
+    assert capsys.readouterr().err.strip().endswith("needs --rope_factor: how many times the trained length to reach")
