@@ -2,8 +2,7 @@
 
     1. running         REPO_ROOT, sums over ranks, logger, seeds (joining torchrun: hardening/process_group.py)
     2. the step        get_lr (follows the position in the data), no_sync (gradient sync on the last micro-step),
-                       optimizer_step (what skips a step), Step and read_on_host (step N's numbers, kept on the
-                       device, read at the log line in one transfer)
+                       optimizer_step (what skips a step), Step and read_on_host (step N's numbers, read later)
     3. data order      resolve_accumulation (the global batch), samples_consumed -> SkipBatchSampler: which
                        samples each rank trains, in what order
     4. model           the model from flags, from --from_weight's file, or from the checkpoint
@@ -11,7 +10,7 @@
                        in write_checkpoint_files); load_checkpoint finds the newest good one, checks it and applies
                        the GPU-count rule (gpu_count_rule)
 Every number of a step is computed here or in the script: skip trainer/hardening/ on a first reading. What the
-scripts call there (durable writes, lock, metrics, stop signal, flag checks, anomaly policy) changes none."""
+scripts call there changes none, but after a rollback (--on_anomaly rollback): the LR scale and windows left out."""
 
 from __future__ import annotations
 
@@ -88,16 +87,16 @@ def no_sync(model: torch.nn.Module, accumulate_only: bool = True) -> Iterator[No
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, grad_norm: torch.Tensor) -> None:
-    """AdamW's step, skipped on the device (no wait) where, and only where, a gradient is not finite (`grad_norm`:
-    of the gradients all ranks share, so all skip alike; fp16: GradScaler's check). A skipped step's samples still
-    count as consumed. A spike is applied: the anomaly policy judges it at the next read, before a save holds it."""
+    """AdamW's step, skipped on the device (no wait) where, and only where, `grad_norm` (of the gradients all ranks
+    share: all skip alike; fp16: GradScaler's check) is not finite. A spike is applied, and judged before a save."""
     if not optimizer.defaults.get("fused"):
         raise ValueError("optimizer_step skips a step on the device: it needs AdamW(..., fused=True)")
     if scaler.is_enabled():
         scaler.step(optimizer)  # fp16: skipped where unscale_ found an inf or NaN
     else:
-        # PyTorch 2.13, torch/optim/adam.py (AdamW is Adam): step() hands getattr(self, "found_inf") to _fused_adam;
-        # where it is 1, torch._fused_adamw_ leaves weights and moments as they are, and the step count is taken back.
+        # = `if torch.isfinite(grad_norm): optimizer.step()`, whose `if` makes the host wait for the GPU every step.
+        # torch >= 2.4: AdamW.step() (torch/optim/adamw.py; adam.py once AdamW became Adam) hands getattr(self,
+        # "found_inf") to the fused kernel; where it is 1 weights and moments stay, the step count is taken back.
         optimizer.found_inf = (~torch.isfinite(sharding.whole(grad_norm))).float()
         try:
             optimizer.step()
@@ -155,7 +154,8 @@ def read_on_host(taken: list[tuple[Step, list[torch.Tensor]]]) -> list[tuple[Ste
 # A run stopped after k steps has consumed exactly k*G more samples whatever its world size, and a
 # run resumed on another world size continues at that cursor. The last step of an epoch may be
 # short; every rank still runs the same number of micro-steps (DDP needs that), and a rank without
-# data in a slot gets a placeholder row whose labels are all ignored: it adds nothing to the gradient.
+# data in a slot gets a placeholder row whose labels are all ignored: it adds nothing to the next-token loss or
+# its gradient (under MoE its tokens are still routed, so they count in the balance loss, aux_loss).
 
 def resolve_accumulation(batch_size: int, world_size: int, accumulation_steps: int,
                          global_batch_size: int | None) -> tuple[int, int]:
