@@ -2,7 +2,8 @@
 
 The sampler (trainer/trainer_utils.py: SkipBatchSampler) hands every rank as many micro-batches as rank 0 in
 an epoch's short last step, as DDP needs; a rank without data for one gets [PLACEHOLDER_INDEX], which becomes
-a row whose labels are all ignored: it adds nothing to the loss or the gradient. The index goes with each row
+a row whose labels are all ignored: it adds nothing to the next-token loss or its gradient (under MoE its
+tokens are still routed, so they count in the router's balance loss, aux_loss). The index goes with each row
 into the debug trace (--save_debug_train_output), which lists the samples each step trained.
 """
 

@@ -124,6 +124,21 @@ def test_a_window_left_out_after_a_rollback_is_never_handed_out_and_the_cursor_m
     assert everything_left_out.num_steps() == 0 and list(everything_left_out) == []
 
 
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_with_nothing_left_out_the_sampler_slices_the_order_from_the_cursor_as_minimind_skips(world_size):
+    """The common path: the rest of the order from the cursor, G a step, rank r every world_size-th sample; the
+    cursor after step s is samples_consumed + (s + 1) x G, the last step's the epoch's end; nothing is copied."""
+    order = torch.randperm(23, generator=torch.Generator().manual_seed(0))
+    rank = world_size - 1
+    sampler = SkipBatchSampler(order, 5, 6, 2, rank, world_size)  # (order, cursor, G, batch_size, rank, world_size)
+    assert sampler.remaining.data_ptr() == order[5:].data_ptr() and torch.equal(sampler.remaining, order[5:])
+    assert [sampler.step_window(s).tolist() for s in range(sampler.num_steps())] == [
+        order[5:11].tolist(), order[11:17].tolist(), order[17:23].tolist()]
+    assert [sampler.step_end(s) for s in range(sampler.num_steps())] == [11, 17, 23]
+    shares = [index for batch in sampler for index in batch]
+    assert shares == [i for s in range(3) for i in order[5 + 6 * s:11 + 6 * s][rank::world_size].tolist()]
+
+
 def test_the_run_ends_a_step_earlier_for_each_window_left_out_in_the_epochs_ahead():
     at = Position(epoch=0, samples_consumed=4, global_step=2)  # 10 samples, 2 a step, 2 epochs: to step 10
     assert total_steps(at, 10, 2, 2) == 10

@@ -30,16 +30,18 @@ import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
+from typing import NamedTuple
 
 if __package__ in (None, ""):  # run as a file: the repository, not this folder, goes first on the import path
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from dataset.lm_dataset import SFTDataset  # stage
 from model.lora import LORA_TARGETS, adapter_of, apply_lora  # lora
+from model.model import LMConfig
 from model.tokenizer import load_tokenizer
 from trainer.hardening.anomaly import install_debug_injection
 from trainer.hardening.anomaly_policy import AnomalyPolicy, Rollback
@@ -103,11 +105,22 @@ def parse_args() -> argparse.Namespace:
     return check_flags(parser.parse_args())  # every value in its range, every path of its kind (exit 2)
 
 
-def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds, val_ds, run: RunSpec, lm_config,
-                dist_info, policy: AnomalyPolicy, stop: StopRequest, stop_at: float, tracker: Tracker,
-                saver: BackgroundSaver) -> tuple[Position, bool]:
+class Between(NamedTuple):
+    """What train_epoch calls between steps, in its order (stop, anomaly, log, save): none of it is a step's math."""
+    stop: StopRequest  # a signal (SIGTERM, Ctrl-C) on any rank, or a failed background save
+    stop_at: float  # --max_steps, as the global step to stop after
+    policy: AnomalyPolicy  # each step's verdict; after a rollback only: a lower LR and a window left out
+    tracker: Tracker  # the log line, the debug trace, the status and metrics files, tokens/s
+    val_ds: Dataset | None  # --val_data's dataset
+    saver: BackgroundSaver  # lm_checkpoint's file writes (on a thread with --async_save)
+    lm_config: LMConfig  # the model's shape, saved beside its weights
+
+
+def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds, run: RunSpec, dist_info,
+                between: Between) -> tuple[Position, bool]:
     """Train from `at` to the epoch's end (False), a stop, --max_steps or the run's end (True); a rollback raises."""
     n, global_batch, rank, world_size = run.num_samples, run.global_batch, dist_info.rank, dist_info.world_size
+    stop, policy, tracker, saver = between.stop, between.policy, between.tracker, between.saver
     epoch, last_step = at.epoch, total_steps(at, n, global_batch, args.epochs, policy.left_out)
     # The anomaly policy acts here, between steps: after a rollback, a lower LR and the bad window left out
     base_lr, left_out = args.learning_rate * policy.lr_scale, policy.left_out_of(epoch)
@@ -118,7 +131,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
     batches = iter(DataLoader(IndexedDataset(train_ds), batch_sampler=sampler, num_workers=args.num_workers,
                               pin_memory=dist_info.device.type == "cuda", worker_init_fn=loader_worker_ignores_stops,
                               generator=torch.Generator().manual_seed(args.seed * 1_000_003 + epoch)))
-    taken = []  # the steps since the host last read the device: (Step, its numbers, still on the device)
+    taken = []  # the steps not yet read by the host: (Step, its numbers, still on the device)
     for s in range(sampler.num_steps()):
         # ---- step N: the next global batch, split over ranks and micro-steps -------------------------
         micro_batches = [next(batches) for _ in range(sampler.micro_steps_per_step(s))]
@@ -148,34 +161,37 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
         # AdamW's step: skipped on the device, with no wait, where a gradient is not finite
         optimizer_step(optimizer, scaler, grad_norm)
         optimizer.zero_grad(set_to_none=True)
-        # Step N's numbers stay on the device: reading one (`.item()`) would make the host wait for the GPU.
+        # Step N's loss: loss_sum, added over the ranks, / global_tokens (read_on_host divides).
+        # Its numbers stay on the device until the host reads them below: `.item()` would make the host wait.
         taken.append((Step(at.global_step + 1, epoch, at.samples_consumed, end, lr,
                            *trained_samples(micro_batches)),  # (its sample indices, its input tokens)
                       [loss_sum, local_tokens, global_tokens, grad_norm]))
         at = at.after(end, n)  # a step skipped on the device too: its samples count as consumed
         tracker.step_taken(at.global_step)  # the first prints "first step done": a sign of life on a slow machine
-        # ---- step N's log line, validation and save, at their intervals: none changes a step's numbers --
-        # The stop vote: a signal (SIGTERM, Ctrl-C) on any rank, or a failed background save (all ranks raise)? On
-        # several ranks it costs an all-reduce of two numbers per step between the hosts (gloo: no GPU wait).
-        last = stop.vote(saver) or at.global_step >= stop_at or at.epoch == args.epochs  # or --max_steps, the end
+        # ---- step N's log line, validation and save, at their intervals: nothing here changes step N ---------
+        # The stop vote changes no number: it asks whether a signal (SIGTERM, Ctrl-C) reached any rank (a failed
+        # background save raises on all ranks). On several ranks: an all-reduce of two numbers (gloo: no GPU wait).
+        last = stop.vote(saver) or at.global_step >= between.stop_at or at.epoch == args.epochs  # or the end
         log_now = at.global_step % args.log_interval == 0 or at.samples_consumed == 0 or last
-        validate = val_ds is not None and (at.global_step % args.eval_interval == 0 or last)
+        validate = between.val_ds is not None and (at.global_step % args.eval_interval == 0 or last)
         save_now = at.global_step % args.save_interval == 0 or at.samples_consumed == 0 or last
-        if log_now or validate or save_now:  # the host waits for the device here only, as for minimind's loss.item()
-            read, taken = read_on_host(taken), []  # one transfer: the numbers of every step since the last wait
-            for step, numbers in read:  # in step order
-                verdict = policy.judge(step, numbers)  # anomaly policy: a bad step raises Rollback or AnomalyStop
-                tracker.step(step, numbers, verdict)  # its trace line (--save_debug_train_output), tokens/s
-        if log_now:  # step N's line (the last one read): the loss over the global batch, its LR and grad norm
+        if not (log_now or validate or save_now):
+            continue  # no wait for the device: step N+1 is queued behind step N
+        read, taken = read_on_host(taken), []  # the one wait, as minimind's loss.item(): all steps since the last
+        for step, numbers in read:
+            verdict = policy.judge(step, numbers)  # anomaly policy: a bad step raises Rollback or AnomalyStop
+            tracker.step(step, numbers, verdict)  # its trace line (--save_debug_train_output), tokens/s
+        step, numbers = read[-1]  # step N, as the host now knows it: its LR, its loss over the global batch
+        if log_now:
             tracker.log({"epoch": step.epoch, "samples_consumed": at.samples_consumed, "loss": numbers.loss,
                          "lr": step.lr, "grad_norm": numbers.grad_norm},
                         at.global_step, last_step)
         if validate:
-            tracker.validation(at.global_step, validation_loss(unwrap(model), val_ds, args.batch_size,
+            tracker.validation(at.global_step, validation_loss(unwrap(model), between.val_ds, args.batch_size,
                                                                dist_info.device, autocast))
         if save_now:
             started = time.perf_counter()
-            kept = lm_checkpoint(lm_config, args.save_weight, adapter_of(unwrap(model)), optimizer,  # lora
+            kept = lm_checkpoint(between.lm_config, args.save_weight, adapter_of(unwrap(model)), optimizer,  # lora
                                  position=at, run=run,  # lora
                                  save_dir=args.save_dir, checkpoint_dir=args.checkpoint_dir, scaler=scaler,
                                  anomaly_state=policy.state_dict(), trackers=tracker.runs, saver=saver)
@@ -256,8 +272,8 @@ def main() -> None:
     with tracker, saver:  # on an error: the save in flight completes and the status file says "failed"
         while at.epoch < args.epochs and not stopped:
             try:
-                at, stopped = train_epoch(args, at, model, optimizer, scaler, autocast, train_ds, val_ds, run,
-                                          lm_config, dist_info, policy, stop, stop_at, tracker, saver)
+                at, stopped = train_epoch(args, at, model, optimizer, scaler, autocast, train_ds, run, dist_info,
+                                          Between(stop, stop_at, policy, tracker, val_ds, saver, lm_config))
             except Rollback as rollback:  # back to the newest checkpoint; the bad window is left out from now on
                 optimizer.zero_grad(set_to_none=True)
                 finish_saves(saver)  # the newest checkpoint must be complete before we look for it

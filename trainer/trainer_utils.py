@@ -2,16 +2,13 @@
 
     1. running         REPO_ROOT, sums over ranks, logger, seeds (joining torchrun: hardening/process_group.py)
     2. the step        get_lr (follows the position in the data), no_sync (gradient sync on the last micro-step),
-                       optimizer_step (what skips a step), Step and read_on_host (step N's numbers, kept on the
-                       device, read at the log line in one transfer)
-    3. data order      resolve_accumulation (the global batch), samples_consumed -> SkipBatchSampler: which
-                       samples each rank trains, in what order
+                       optimizer_step (what skips a step), Step and read_on_host (step N's numbers, read later)
+    3. data order      resolve_accumulation (the global batch), samples_consumed -> SkipBatchSampler (who trains what)
     4. model           the model from flags, from --from_weight's file, or from the checkpoint
-    5. checkpoints     lm_checkpoint saves (the commented `_resume.pth` dict, the RNG states, the FP16 out/ file
-                       in write_checkpoint_files); load_checkpoint finds the newest good one, checks it and applies
-                       the GPU-count rule (gpu_count_rule)
+    5. checkpoints     lm_checkpoint (the commented `_resume.pth` dict; the FP16 out/ file: write_checkpoint_files),
+                       load_checkpoint (the newest good one, checked), gpu_count_rule (what another GPU count changes)
 Every number of a step is computed here or in the script: skip trainer/hardening/ on a first reading. What the
-scripts call there (durable writes, lock, metrics, stop signal, flag checks, anomaly policy) changes none."""
+scripts call there changes none, but after a rollback (--on_anomaly rollback): the LR scale and windows left out."""
 
 from __future__ import annotations
 
@@ -72,8 +69,7 @@ def get_lr(progress: float, base_lr: float, warmup_ratio: float) -> float:
 @contextmanager
 def no_sync(model: torch.nn.Module, accumulate_only: bool = True) -> Iterator[None]:
     """A micro-step whose gradients are only accumulated, not yet all-reduced: DDP's no_sync (FSDP: its switch).
-    With `accumulate_only` False (the last micro-step of a step) it changes nothing: the gradients are reduced,
-    once per step instead of once per micro-step. A model in one process has nothing to reduce."""
+    `accumulate_only` False (a step's last micro-step): nothing changes, the gradients are reduced once per step."""
     if not accumulate_only or not sharding.is_sharded(model) and not hasattr(model, "no_sync"):
         yield
     elif not sharding.is_sharded(model):
@@ -88,16 +84,16 @@ def no_sync(model: torch.nn.Module, accumulate_only: bool = True) -> Iterator[No
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, grad_norm: torch.Tensor) -> None:
-    """AdamW's step, skipped on the device (no wait) where, and only where, a gradient is not finite (`grad_norm`:
-    of the gradients all ranks share, so all skip alike; fp16: GradScaler's check). A skipped step's samples still
-    count as consumed. A spike is applied: the anomaly policy judges it at the next read, before a save holds it."""
+    """AdamW's step, skipped on the device (no wait) where, and only where, `grad_norm` (of the gradients all ranks
+    share: all skip alike; fp16: GradScaler's check) is not finite. A spike is applied, and judged before a save."""
     if not optimizer.defaults.get("fused"):
         raise ValueError("optimizer_step skips a step on the device: it needs AdamW(..., fused=True)")
     if scaler.is_enabled():
         scaler.step(optimizer)  # fp16: skipped where unscale_ found an inf or NaN
     else:
-        # PyTorch 2.13, torch/optim/adam.py (AdamW is Adam): step() hands getattr(self, "found_inf") to _fused_adam;
-        # where it is 1, torch._fused_adamw_ leaves weights and moments as they are, and the step count is taken back.
+        # = `if torch.isfinite(grad_norm): optimizer.step()`, whose `if` makes the host wait for the GPU every step.
+        # torch >= 2.4: AdamW.step() (torch/optim/adamw.py; adam.py once AdamW became Adam) hands getattr(self,
+        # "found_inf") to the fused kernel; where it is 1 weights and moments stay, the step count is taken back.
         optimizer.found_inf = (~torch.isfinite(sharding.whole(grad_norm))).float()
         try:
             optimizer.step()
@@ -155,7 +151,8 @@ def read_on_host(taken: list[tuple[Step, list[torch.Tensor]]]) -> list[tuple[Ste
 # A run stopped after k steps has consumed exactly k*G more samples whatever its world size, and a
 # run resumed on another world size continues at that cursor. The last step of an epoch may be
 # short; every rank still runs the same number of micro-steps (DDP needs that), and a rank without
-# data in a slot gets a placeholder row whose labels are all ignored: it adds nothing to the gradient.
+# data in a slot gets a placeholder row, its labels all ignored: nothing in the next-token loss or its gradient
+# (under MoE its tokens are still routed: they count in the balance loss, aux_loss).
 
 def resolve_accumulation(batch_size: int, world_size: int, accumulation_steps: int,
                          global_batch_size: int | None) -> tuple[int, int]:
@@ -176,13 +173,22 @@ def epoch_order(seed: int, epoch: int, num_samples: int) -> torch.Tensor:
 
 
 def kept_spans(samples_consumed: int, num_samples: int, left_out=()) -> list[tuple[int, int]]:
-    """[samples_consumed, num_samples) of the epoch's order less the (start, end) spans `left_out`, as spans."""
+    """[samples_consumed, num_samples) of the epoch's order less the (start, end) spans a rollback `left_out`."""
     spans, cursor = [], samples_consumed
     for start, end in sorted(left_out):
         if start > cursor:
             spans.append((cursor, start))
         cursor = max(cursor, end)
     return spans + [(cursor, num_samples)] if cursor < num_samples else spans
+
+
+def cursor_after(spans: list[tuple[int, int]], trained: int, num_samples: int) -> int:
+    """The position in the order once `trained` samples of `spans` are trained (all of them: the epoch's end)."""
+    for start, end in spans:
+        if trained < end - start:
+            return start + trained
+        trained -= end - start
+    return num_samples
 
 
 def steps_left(num_samples: int, samples_consumed: int, global_batch: int, left_out=()) -> int:
@@ -192,19 +198,18 @@ def steps_left(num_samples: int, samples_consumed: int, global_batch: int, left_
 
 
 class SkipBatchSampler(Sampler[list[int]]):
-    """This rank's micro-batches for the rest of one epoch, from a sample cursor (sliced, never read), by step.
-    `left_out`: the (start, end) spans of the order a rollback left out (anomaly_policy.py); none, as a rule."""
+    """This rank's micro-batches for the rest of an epoch, skipping what was trained (sliced, never read), as minimind's
+    does. `left_out` (a rollback's) goes to kept_spans and cursor_after, beside it: with none they change nothing."""
 
     def __init__(self, order: torch.Tensor, samples_consumed: int, global_batch: int,
                  batch_size: int, rank: int, world_size: int, left_out=()):
         if global_batch % (batch_size * world_size) != 0:
-            raise ValueError(f"global batch {global_batch} is not a multiple of batch_size {batch_size} "
-                             f"x world_size {world_size}")
+            raise ValueError(f"global batch {global_batch} % (batch_size x world_size {batch_size * world_size}) != 0")
         if not 0 <= samples_consumed <= len(order):
             raise ValueError(f"samples_consumed {samples_consumed} is outside the epoch of {len(order)} samples")
-        self.spans, self.num_samples = kept_spans(samples_consumed, len(order), left_out), len(order)  # 1 span, or 2+
-        pieces = [order[start:end] for start, end in self.spans] or [order[:0]]
-        self.remaining = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # as a rule a view of `order`
+        self.spans, self.num_samples = kept_spans(samples_consumed, len(order), left_out), len(order)
+        pieces = [order[start:end] for start, end in self.spans] or [order[:0]]  # one span, as a rule: a view,
+        self.remaining = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # order[samples_consumed:]
         self.global_batch, self.batch_size, self.rank, self.world_size = global_batch, batch_size, rank, world_size
 
     def num_steps(self) -> int:
@@ -215,13 +220,8 @@ class SkipBatchSampler(Sampler[list[int]]):
         return self.remaining[step * self.global_batch:(step + 1) * self.global_batch]
 
     def step_end(self, step: int) -> int:
-        """The cursor after step `step`: past its last sample and any window left out after it (its last: the end)."""
-        trained = (step + 1) * self.global_batch  # samples of `remaining` trained once it is taken
-        for start, end in self.spans:
-            if trained < end - start:
-                return start + trained
-            trained -= end - start
-        return self.num_samples
+        """The cursor once step `step` is taken: samples_consumed + (step + 1) x global_batch, or the epoch's end."""
+        return cursor_after(self.spans, (step + 1) * self.global_batch, self.num_samples)
 
     def micro_steps_per_step(self, step: int) -> int:
         # Rank 0 has the longest share of a short window, so its count is the one all ranks use.

@@ -1,6 +1,8 @@
 """The anomaly policy, --on_anomaly warn | stop | rollback: what the run does about a bad step. It acts between
-steps, never inside one: the step's math is the same with or without it, and a first reading skips it. The
-script meets it at three places, none of them in the step itself:
+steps, never inside one: the step's math (loss, gradient, clip, update) is the same with or without it, and a
+first reading skips it. Until a rollback it changes no number; after one (--on_anomaly rollback only) the steps
+that follow run at a lower LR, and the window that went wrong is never trained again. The script meets it at
+three places, none of them in the step itself:
 
     policy.lr_scale, policy.left_out_of(epoch)   at the start of train_epoch (and again after a rollback): the
                                                  LR multiplier (lower after each rollback, --rollback_lr_factor)
