@@ -89,7 +89,7 @@ def parse_args() -> argparse.Namespace:
 
 
 class Between(NamedTuple):
-    """What train_epoch calls between steps, in its order (stop, anomaly, log, save): none of it is a step's math."""
+    """Called between steps (stop, anomaly, log, validation, save); only a rollback's policy changes step numbers."""
     stop: StopRequest  # a signal (SIGTERM, Ctrl-C) on any rank, or a failed background save
     stop_at: float  # --max_steps, as the global step to stop after
     policy: AnomalyPolicy  # each step's verdict; after a rollback only: a lower LR and a window left out

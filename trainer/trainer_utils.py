@@ -7,8 +7,8 @@
     4. model           the model from flags, from --from_weight's file, or from the checkpoint
     5. checkpoints     lm_checkpoint (the commented `_resume.pth` dict; the FP16 out/ file: write_checkpoint_files),
                        load_checkpoint (the newest good one, checked), gpu_count_rule (what another GPU count changes)
-Every number of a step is computed here or in the script: skip trainer/hardening/ on a first reading. What the
-scripts call there changes none, but after a rollback (--on_anomaly rollback): the LR scale and windows left out."""
+Every number of a step is computed here, in the script or the model's forward: skip trainer/hardening/ at first
+(it times the log line: tok/s, ETA). It changes none, but after a rollback: the LR scale and windows left out."""
 
 from __future__ import annotations
 
@@ -148,7 +148,7 @@ def read_on_host(taken: list[tuple[Step, list[torch.Tensor]]]) -> list[tuple[Ste
 #     step s    = remaining[s*G : (s+1)*G]                    # G = the global batch
 #     rank r    = step[r::world_size]                         # interleaved share, no overlap
 #
-# A run stopped after k steps has consumed exactly k*G more samples whatever its world size, and a
+# A run stopped after k full steps has consumed k*G more samples (fewer where a rollback left a window out), and a
 # run resumed on another world size continues at that cursor. The last step of an epoch may be
 # short; every rank still runs the same number of micro-steps (DDP needs that), and a rank without
 # data in a slot gets a placeholder row, its labels all ignored: nothing in the next-token loss or its gradient
