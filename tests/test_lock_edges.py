@@ -20,7 +20,7 @@ import pytest
 
 from conftest import PRETRAIN_RUN, TINY_MODEL, launch_command, slowed_env, wait_until
 from test_lock_lost import every_file, newest_step, signal_job
-from trainer.hardening import run_lock
+from trainer.hardening import run_lock, writer_lock
 from trainer.hardening.checkpoint_io import RunFiles
 from scripts.run_files import read_status
 from trainer.hardening.metrics_files import metrics_path, status_path
@@ -61,6 +61,11 @@ def let_a_second_run_take_over(tmp_path, run, data, how: str, extra: list[str]) 
         lock.unlink()
     else:  # seen from another node, only the job id and a stale heartbeat let a run take over (run_lock._why_gone)
         lock.write_text(json.dumps({**run_lock.read_lock(lock), "host": "frozen-node"}))
+    # Each process of the first run still holds its kernel lock (writer_lock.py), which refuses a second run while
+    # any of them lives (tests/test_run_lock.py). Where that lock is not shared (removed by hand with the lock file,
+    # a filesystem that takes no lock, another node's frozen lease), the second run takes over: the first must then
+    # write nothing more, which is what these tests prove.
+    (run / writer_lock.WRITERS_NAME).unlink()
     second = start(flags(run, data, *extra), tmp_path, "second.log", env(step_delay_s=0.3))
 
     def second_saved_step_3() -> bool:  # its own checkpoint, where the first run's in-flight save was going
