@@ -21,7 +21,7 @@ from conftest import (assert_each_sample_once, assert_states_equal, child_pids, 
                       with_loader_workers)
 from benchmarks.soak_kill import how_it_resumed
 from model.model import CausalLM, LMConfig
-from trainer.trainer_utils import gpu_count_rule
+from trainer.hardening.resume_checks import gpu_count_rule
 
 
 def losses_by_step(trace: list[dict]) -> dict[int, list[float]]:

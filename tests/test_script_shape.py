@@ -18,7 +18,7 @@ ALL_SCRIPTS = (*SCRIPTS, "train_lora.py", "train_dpo.py", "train_grpo.py", "trai
 # nanoGPT's train.py is about 340 lines; the anomaly policy lives in hardening/anomaly_policy.py. The later stages'
 # docstrings list what they change from SFT's; GRPO's carries its three loss types and the mu updates of a step.
 # Each also declares `Between`, the bundle of what train_epoch calls between steps, field by field.
-MAX_LINES = {"train_pretrain.py": 275, "train_full_sft.py": 275, "train_lora.py": 300, "train_dpo.py": 328,
+MAX_LINES = {"train_pretrain.py": 280, "train_full_sft.py": 280, "train_lora.py": 300, "train_dpo.py": 328,
              "train_grpo.py": 361, "train_distillation.py": 316}
 
 
@@ -56,7 +56,8 @@ def test_lora_is_sft_apart_from_the_lines_marked_lora_and_the_sft_lines_its_docs
         "\n".join(unlisted)
     stale = [fragment for fragment in fragments if not any(fragment in line for line in dropped)]
     assert not stale, f"the docstring lists lines that are not gone: {stale}"
-    assert len(dropped) <= 12, f"{len(dropped)} lines of train_full_sft.py changed: LoRA should be SFT, adapted"
+    # (4 of them SFT's optimizer flags, --optimizer, its weight decays and Muon's LR: LoRA trains with AdamW)
+    assert len(dropped) <= 16, f"{len(dropped)} lines of train_full_sft.py changed: LoRA should be SFT, adapted"
     assert len(added) - len(dropped) <= 20, "LoRA adds few lines to SFT"
 
 
@@ -112,7 +113,8 @@ def test_a_later_stage_is_train_full_sft_apart_from_its_marked_lines(script, mar
     docstring = ast.get_docstring(ast.parse((REPO / "trainer" / script).read_text(encoding="utf-8")))
     listed = re.findall(r"`([^`]+)`", docstring[docstring.index("What changes from train_full_sft.py"):])
     unlisted = [line for line in dropped if not any(name in line for name in listed)]
-    assert not unlisted and len(dropped) <= 5, f"SFT lines {script} drops, not in its docstring: {unlisted}"
+    # at most 5 lines, and SFT's 4 optimizer flag lines (--optimizer, the weight decays, Muon's LR): AdamW here
+    assert not unlisted and len(dropped) <= 9, f"SFT lines {script} drops, not in its docstring: {unlisted}"
 
 
 def test_each_script_writes_out_the_step_the_save_and_the_sampler():

@@ -14,7 +14,8 @@ from random weights by default (--from_weight names a file). Run it from a plain
 Writes out/distill_{hidden}.pth and checkpoints/ (the teacher named by its hash: a resume refuses a changed one).
 A teacher whose out/*.json records another tokenizer than --tokenizer_path is refused. The logged loss is the
 distillation loss, with its parts per token, ce and kl; validation (--val_data) is the student's CE, as in SFT.
-What changes from train_full_sft.py: the lines marked `# distill`.
+What changes from train_full_sft.py: the lines marked `# distill`; gone: the `--optimizer`, `--weight_decay`, `--muon_`
+flags (the student trains with AdamW).
 """
 
 import argparse
@@ -39,7 +40,7 @@ from trainer.hardening.anomaly import install_debug_injection
 from trainer.hardening.anomaly_policy import AnomalyPolicy, Rollback
 from trainer.hardening.background_save import BackgroundSaver, finish_saves
 from trainer.hardening.flag_checks import check_flags
-from trainer.hardening.from_weight import frozen_teacher  # distill
+from trainer.hardening.from_weight import frozen_teacher, given_sizes, init_model  # distill
 from trainer.hardening.operator_flags import add_operator_flags
 from trainer.hardening.process_exit import cleanup_distributed, run_script
 from trainer.hardening.process_group import init_distributed
@@ -49,7 +50,7 @@ from trainer.hardening.sharding import shard_model
 from trainer.hardening.stopping import StopRequest, end_of_run, loader_worker_ignores_stops
 from trainer.hardening.tracking import Tracker, flops_per_token, loss_parts, validation_loss  # distill
 from trainer.trainer_utils import (REPO_ROOT, IndexedDataset, Position, RunSpec, SkipBatchSampler, Step, epoch_order,
-                                   get_lr, given_sizes, init_model, lm_checkpoint, load_checkpoint,
+                                   get_lr, lm_checkpoint, load_checkpoint, make_optimizer,
                                    model_config, no_sync, optimizer_step, rank0_logger, read_on_host,
                                    resolve_accumulation, restore_training_state, run_name, setup_seed,
                                    sum_over_ranks, total_steps, trained_samples, unwrap)
@@ -173,7 +174,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
         scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_ratio", 1.0)  # Muon's group (--optimizer muon): its own peak LR
         # AdamW's step: skipped on the device, with no wait, where a gradient is not finite
         optimizer_step(optimizer, scaler, grad_norm)
         optimizer.zero_grad(set_to_none=True)
@@ -252,8 +253,7 @@ def main() -> None:
     # FP32 master weights, bf16 (or fp16 + GradScaler) autocast on CUDA; fsdp: a slice per rank (sharding.py)
     model = shard_model(model, device, dtype, args) if args.parallel == "fsdp" else model.to(device)
     teacher = shard_model(teacher, device, dtype, args) if args.parallel == "fsdp" else teacher.to(device)  # distill
-    # fused: one kernel for all parameters, and it can skip a step on the device (trainer_utils.optimizer_step)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.01, fused=True)
+    optimizer = make_optimizer(model, args)  # AdamW (fused: it can skip a step on the device); --optimizer muon
     autocast = torch.autocast("cuda", dtype=dtype) if use_cuda and dtype != torch.float32 else nullcontext()
     scaler = torch.amp.GradScaler("cuda", enabled=use_cuda and dtype == torch.float16)
 

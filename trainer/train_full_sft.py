@@ -34,6 +34,7 @@ from trainer.hardening.anomaly import install_debug_injection
 from trainer.hardening.anomaly_policy import AnomalyPolicy, Rollback
 from trainer.hardening.background_save import BackgroundSaver, finish_saves
 from trainer.hardening.flag_checks import check_flags
+from trainer.hardening.from_weight import given_sizes, init_model
 from trainer.hardening.operator_flags import add_operator_flags
 from trainer.hardening.process_exit import cleanup_distributed, run_script
 from trainer.hardening.process_group import init_distributed
@@ -43,7 +44,7 @@ from trainer.hardening.sharding import shard_model
 from trainer.hardening.stopping import StopRequest, end_of_run, loader_worker_ignores_stops
 from trainer.hardening.tracking import Tracker, flops_per_token, validation_loss
 from trainer.trainer_utils import (REPO_ROOT, IndexedDataset, Position, RunSpec, SkipBatchSampler, Step, epoch_order,
-                                   get_lr, given_sizes, init_model, lm_checkpoint, load_checkpoint,
+                                   get_lr, lm_checkpoint, load_checkpoint, make_optimizer,
                                    model_config, no_sync, optimizer_step, rank0_logger, read_on_host,
                                    resolve_accumulation, restore_training_state, run_name, setup_seed,
                                    sum_over_ranks, total_steps, trained_samples, unwrap)
@@ -82,6 +83,10 @@ def parse_args() -> argparse.Namespace:
     a("--seed", type=int, default=42)
     a("--use_compile", type=int, default=None, choices=(0, 1), help="torch.compile (default: 1 on CUDA, 0 on CPU)")
     a("--parallel", default="ddp", choices=("ddp", "fsdp"), help="fsdp: each GPU keeps a slice of the model")
+    a("--optimizer", default="adamw", choices=("adamw", "muon"), help="muon: Muon for the hidden matrices")
+    a("--weight_decay", type=float, default=0.01, help="AdamW's decoupled weight decay")
+    a("--muon_learning_rate", type=float, default=None, help="Muon's peak LR, same schedule (default: --learning_rate)")
+    a("--muon_weight_decay", type=float, default=0.01, help="Muon's decoupled weight decay")
     a("--system_prompt_ratio", type=float, default=None, help="share given a generic system prompt")  # stage
     a("--drop_empty_think_ratio", type=float, default=None, help="share with empty <think> dropped")  # stage
     add_operator_flags(parser)  # trackers, kept checkpoints, background saves, metrics, validation, anomaly policy
@@ -140,7 +145,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
         scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_ratio", 1.0)  # Muon's group (--optimizer muon): its own peak LR
         # AdamW's step: skipped on the device, with no wait, where a gradient is not finite
         optimizer_step(optimizer, scaler, grad_norm)
         optimizer.zero_grad(set_to_none=True)
@@ -214,8 +219,7 @@ def main() -> None:
     use_cuda, dtype = device.type == "cuda", getattr(torch, args.dtype)
     # FP32 master weights, bf16 (or fp16 + GradScaler) autocast on CUDA; fsdp: a slice per rank (sharding.py)
     model = shard_model(model, device, dtype, args) if args.parallel == "fsdp" else model.to(device)
-    # fused: one kernel for all parameters, and it can skip a step on the device (trainer_utils.optimizer_step)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.01, fused=True)
+    optimizer = make_optimizer(model, args)  # AdamW (fused: it can skip a step on the device); --optimizer muon
     autocast = torch.autocast("cuda", dtype=dtype) if use_cuda and dtype != torch.float32 else nullcontext()
     scaler = torch.amp.GradScaler("cuda", enabled=use_cuda and dtype == torch.float16)
 

@@ -10,7 +10,8 @@ Writes out/grpo_{hidden}.pth. Run it as SFT's script:
     python trainer/train_grpo.py  |  torchrun --nproc_per_node 2 trainer/train_grpo.py  |  ... --from_resume 1
 --max_turns N > 1: the tools a prompt offers run between N model turns, results masked (dataset/tool_rollouts.py).
 What changes from train_full_sft.py: the lines marked `# grpo`; gone: `--system_prompt_ratio`,
-`--drop_empty_think_ratio`, `train_ds.set_epoch`, `local_tokens = sum(` (counted in step_rollouts)."""
+`--drop_empty_think_ratio`, `train_ds.set_epoch`, `local_tokens = sum(` (counted in step_rollouts), and the
+`--optimizer`, `--weight_decay`, `--muon_` flags (GRPO trains with AdamW)."""
 
 import argparse
 import sys
@@ -34,6 +35,7 @@ from trainer.hardening.anomaly import install_debug_injection
 from trainer.hardening.anomaly_policy import AnomalyPolicy, Rollback
 from trainer.hardening.background_save import BackgroundSaver, finish_saves
 from trainer.hardening.flag_checks import check_flags
+from trainer.hardening.from_weight import frozen_model, given_sizes, init_model  # grpo
 from trainer.hardening.operator_flags import add_operator_flags
 from trainer.hardening.process_exit import cleanup_distributed, run_script
 from trainer.hardening.process_group import init_distributed
@@ -43,8 +45,7 @@ from trainer.hardening.sharding import shard_model
 from trainer.hardening.stopping import StopRequest, end_of_run, loader_worker_ignores_stops
 from trainer.hardening.tracking import Tracker, flops_per_token, validation_loss, watched_metrics  # grpo
 from trainer.trainer_utils import (REPO_ROOT, IndexedDataset, Position, RunSpec, SkipBatchSampler, Step, epoch_order,
-                                   frozen_model,  # grpo
-                                   get_lr, given_sizes, init_model, lm_checkpoint, load_checkpoint,
+                                   get_lr, lm_checkpoint, load_checkpoint, make_optimizer,
                                    model_config, no_sync, optimizer_step, rank0_logger, read_on_host,
                                    resolve_accumulation, restore_training_state, run_name, setup_seed,
                                    sum_over_ranks, total_steps, trained_samples, unwrap)
@@ -222,7 +223,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
             scaler.unscale_(optimizer)  # grpo: clip the true gradients, not the fp16-scaled ones
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip))  # grpo
             for group in optimizer.param_groups:  # grpo
-                group["lr"] = lr  # grpo
+                group["lr"] = lr * group.get("lr_ratio", 1.0)  # grpo
             # AdamW's step: skipped on the device, with no wait, where a gradient is not finite  # grpo
             optimizer_step(optimizer, scaler, norms[-1])  # grpo
             optimizer.zero_grad(set_to_none=True)  # grpo
@@ -301,8 +302,7 @@ def main() -> None:
     # FP32 master weights, bf16 (or fp16 + GradScaler) autocast on CUDA; fsdp: a slice per rank (sharding.py)
     model = shard_model(model, device, dtype, args) if args.parallel == "fsdp" else model.to(device)
     ref_model = ref_model.to(device)  # grpo
-    # fused: one kernel for all parameters, and it can skip a step on the device (trainer_utils.optimizer_step)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.01, fused=True)
+    optimizer = make_optimizer(model, args)  # AdamW (fused: it can skip a step on the device); --optimizer muon
     autocast = torch.autocast("cuda", dtype=dtype) if use_cuda and dtype != torch.float32 else nullcontext()
     scaler = torch.amp.GradScaler("cuda", enabled=use_cuda and dtype == torch.float16)
 

@@ -20,8 +20,9 @@ lines marked `# lora` are new or changed, and these lines of train_full_sft.py a
     `sft_demo.jsonl`, `--save_weight`, `default="pretrain"`, `default=5e-5`: the defaults (lora_demo.jsonl;
         --lora_name names the files, lora_{name}; full_sft; 1e-4, minimind's LoRA learning rate)
     `init_model`: frozen_model loads the base (section 4); its file's hash joins the settings a resume compares
-    `AdamW(model.parameters()`, `restore_training_state(state, model,`, `args.save_weight, model,`: the adapter
+    `make_optimizer(model`, `restore_training_state(state, model,`, `args.save_weight, model,`: the adapter
         alone is optimized, restored and saved (adapter_of(model): its A and B, under the model's names)
+    `--optimizer`, `--weight_decay`, `--muon_`: the adapters train with AdamW
 --parallel fsdp and --save_hf are refused in one line (hardening/flag_checks.py: check_lora_flags).
 """
 
@@ -47,6 +48,7 @@ from trainer.hardening.anomaly import install_debug_injection
 from trainer.hardening.anomaly_policy import AnomalyPolicy, Rollback
 from trainer.hardening.background_save import BackgroundSaver, finish_saves
 from trainer.hardening.flag_checks import check_flags
+from trainer.hardening.from_weight import frozen_model, given_sizes  # lora
 from trainer.hardening.operator_flags import add_operator_flags
 from trainer.hardening.process_exit import cleanup_distributed, run_script
 from trainer.hardening.process_group import init_distributed
@@ -56,7 +58,7 @@ from trainer.hardening.sharding import shard_model
 from trainer.hardening.stopping import StopRequest, end_of_run, loader_worker_ignores_stops
 from trainer.hardening.tracking import Tracker, flops_per_token, validation_loss
 from trainer.trainer_utils import (REPO_ROOT, IndexedDataset, Position, RunSpec, SkipBatchSampler, Step, epoch_order,
-                                   get_lr, given_sizes, frozen_model, lm_checkpoint, load_checkpoint,  # lora
+                                   get_lr, lm_checkpoint, load_checkpoint, make_optimizer,
                                    model_config, no_sync, optimizer_step, rank0_logger, read_on_host,
                                    resolve_accumulation, restore_training_state, run_name, setup_seed,
                                    sum_over_ranks, total_steps, trained_samples, unwrap)
@@ -157,7 +159,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
         scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_ratio", 1.0)  # Muon's group (--optimizer muon): its own peak LR
         # AdamW's step: skipped on the device, with no wait, where a gradient is not finite
         optimizer_step(optimizer, scaler, grad_norm)
         optimizer.zero_grad(set_to_none=True)
@@ -235,8 +237,7 @@ def main() -> None:
     use_cuda, dtype = device.type == "cuda", getattr(torch, args.dtype)
     # FP32 master weights, bf16 (or fp16 + GradScaler) autocast on CUDA; fsdp: a slice per rank (sharding.py)
     model = shard_model(model, device, dtype, args) if args.parallel == "fsdp" else model.to(device)
-    # fused: one kernel for all parameters, and it can skip a step on the device (trainer_utils.optimizer_step)
-    optimizer = torch.optim.AdamW(adapter.parameters(), lr=args.learning_rate, weight_decay=0.01, fused=True)  # lora
+    optimizer = make_optimizer(adapter, args)  # lora: AdamW over the adapters alone
     autocast = torch.autocast("cuda", dtype=dtype) if use_cuda and dtype != torch.float32 else nullcontext()
     scaler = torch.amp.GradScaler("cuda", enabled=use_cuda and dtype == torch.float16)
 

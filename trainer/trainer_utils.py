@@ -1,12 +1,12 @@
 """The one helper module the training scripts call, as in minimind. Read it after the script.
 
     1. running         REPO_ROOT, sums over ranks, logger, seeds (joining torchrun: hardening/process_group.py)
-    2. the step        get_lr (follows the position in the data), no_sync (gradient sync on the last micro-step),
-                       optimizer_step (what skips a step), Step and read_on_host (step N's numbers, read later)
+    2. the step        get_lr (follows the data), no_sync (gradient sync on the last micro-step), make_optimizer
+                       (AdamW; Muon), optimizer_step (what skips a step), Step and read_on_host (step N's numbers)
     3. data order      resolve_accumulation (the global batch), samples_consumed -> SkipBatchSampler (who trains what)
-    4. model           the model from flags, from --from_weight's file, or from the checkpoint
-    5. checkpoints     lm_checkpoint (the commented `_resume.pth` dict; the FP16 out/ file: write_checkpoint_files),
-                       load_checkpoint (the newest good one, checked), gpu_count_rule (what another GPU count changes)
+    4. checkpoints     model_config (the model the flags describe; from a file: hardening/from_weight.py),
+                       lm_checkpoint (the commented `_resume.pth` dict; the FP16 out/ file: write_checkpoint_files),
+                       load_checkpoint (the newest good one, checked; what another GPU count changes: resume_checks)
 Every number of a step is computed here, in the script or the model's forward: skip trainer/hardening/ at first
 (it times the log line: tok/s, ETA). It changes none, but after a rollback: the LR scale and windows left out."""
 
@@ -29,7 +29,7 @@ from model.model import CausalLM, LMConfig
 from trainer.hardening import checkpoint_io, resume_checks, sharding
 from trainer.hardening.background_save import BackgroundSaver
 from trainer.hardening.flag_checks import check_fits_in_memory
-from trainer.hardening.from_weight import SIZE_FLAGS, frozen_model, load_from_weight  # noqa: F401 (frozen_model)
+from trainer.hardening.from_weight import given_sizes
 from trainer.hardening.run_lock import raise_if_lock_lost
 from trainer.hardening.save_on_ranks import gather_rng_states, raise_on_every_rank
 
@@ -100,6 +100,58 @@ def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScale
         finally:
             del optimizer.found_inf
     scaler.update()
+
+
+def make_optimizer(module: torch.nn.Module, args) -> torch.optim.Optimizer:
+    """AdamW over `module`'s trainable parameters (fused: one kernel, and it can skip a step on the device), or with
+    --optimizer muon (pretraining, SFT) torch's Muon for the hidden matrices and AdamW for the rest: the embedding
+    (= the tied LM head: a lookup table, a row per token), the norms' gains and MoE's router."""
+    named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]  # the tied head: once
+    on_muon = {id(p) for name, p in named if p.ndim == 2 and name.endswith("_proj.weight")  # q, k, v, o; gate, up,
+               and getattr(args, "optimizer", "adamw") == "muon"}  # down: 2-D matrices acting on hidden states
+    adamw = torch.optim.AdamW([p for _, p in named if id(p) not in on_muon], lr=args.learning_rate,
+                              weight_decay=getattr(args, "weight_decay", 0.01), fused=True)
+    if not on_muon:
+        return adamw
+    # match_rms_adamw: Muon's update at AdamW's RMS, so its LR is of AdamW's size (the loop: schedule x lr_ratio)
+    muon = torch.optim.Muon([p for _, p in named if id(p) in on_muon], lr=args.muon_learning_rate,
+                            weight_decay=args.muon_weight_decay, adjust_lr_fn="match_rms_adamw")
+    muon.param_groups[0]["lr_ratio"] = args.muon_learning_rate / args.learning_rate
+    return MuonAndAdamW(muon, adamw)
+
+
+class MuonAndAdamW:
+    """Muon and AdamW stepped together, seen by the loop, GradScaler and the checkpoint as one optimizer."""
+
+    def __init__(self, muon: torch.optim.Optimizer, adamw: torch.optim.Optimizer):
+        self.muon, self.adamw, self.defaults = muon, adamw, adamw.defaults  # defaults["fused"]: optimizer_step
+
+    @property  # (each load_state_dict gives the optimizer new group dicts, so they are read anew each time)
+    def param_groups(self) -> list[dict]:
+        return self.adamw.param_groups + self.muon.param_groups  # AdamW's first: the checkpoint's "lr"
+
+    def step(self) -> None:
+        # optimizer_step's found_inf (1: a gradient not finite) skips AdamW's fused step on the device; torch's Muon
+        # takes none, so the host reads it: with --optimizer muon, one wait for the device a step
+        found_inf = self.adamw.found_inf = getattr(self, "found_inf", None)
+        self.adamw.step()
+        del self.adamw.found_inf
+        if found_inf is None or not found_inf.item():
+            self.muon.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.adamw.zero_grad(set_to_none)
+        self.muon.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict:  # `_resume.pth`'s "optimizer": Muon's state is one "momentum_buffer" a matrix
+        return {"adamw": self.adamw.state_dict(), "muon": self.muon.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:  # (resume_checks refused a checkpoint of the other --optimizer)
+        self.adamw.load_state_dict(state["adamw"])
+        self.muon.load_state_dict(state["muon"])
+
+    def register_step_pre_hook(self, hook):  # background_save.py: the copy of step N ends before a weight changes
+        return self.adamw.register_step_pre_hook(hook), self.muon.register_step_pre_hook(hook)
 
 
 class Step(NamedTuple):  # what the host knows of optimizer step N without asking the device
@@ -238,30 +290,11 @@ class SkipBatchSampler(Sampler[list[int]]):
         return sum(self.micro_steps_per_step(step) for step in range(self.num_steps()))
 
 
-# ---- 4. model ----------------------------------------------------------------------------------
-
-def given_sizes(args) -> dict:
-    """The size flags given on the command line (the others are None: the weights file's, or LMConfig's default)."""
-    sizes = {name: getattr(args, name) for name in SIZE_FLAGS if getattr(args, name) is not None}
-    return {**sizes, "use_moe": bool(sizes.get("use_moe", 0))}
-
-
 def model_config(args, vocab_size: int) -> LMConfig:
     """The model the size flags describe, for a tokenizer of `vocab_size` tokens."""
     lm_config = LMConfig(vocab_size=vocab_size, **given_sizes(args))
     check_fits_in_memory(lm_config, args)  # one that cannot fit is refused now, before anything is allocated
     return lm_config
-
-
-def init_model(args, lm_config: LMConfig, log: Callable[[str], None],
-               resume_state: dict | None = None) -> tuple[CausalLM, LMConfig]:
-    """The model to train: the checkpoint's when resuming (weights restored in section 5), else --from_weight's
-    (its sizes read from the file: hardening/from_weight.py), or one of `lm_config` with random weights."""
-    if resume_state is not None or args.from_weight == "none":  # (load_checkpoint checked the saved config)
-        lm_config = LMConfig.from_dict(resume_state["lm_config"]) if resume_state is not None else lm_config
-        return CausalLM(lm_config), lm_config
-    model = load_from_weight(args, lm_config.vocab_size, log)
-    return model, model.config
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -275,19 +308,7 @@ def run_name(weight: str, lm_config: LMConfig) -> str:
     return f"{weight}_{lm_config.hidden_size}{'_moe' if lm_config.use_moe else ''}"
 
 
-# ---- 5. checkpoints: `out/{run}.pth` (FP16, for inference) and `checkpoints/{run}_resume.pth` ---------
-
-def capture_rng_state() -> dict:
-    """Every RNG this process draws from (dropout, loader workers, anything seeded globally), weights_only-loadable."""
-    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    py_version, py_state, py_gauss = random.getstate()
-    return {"torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            "numpy": {"kind": np_kind, "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
-                      "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss)},
-            "python": {"version": py_version, "state": torch.tensor(py_state, dtype=torch.int64),
-                       "gauss_next": py_gauss}}
-
+# ---- 4. checkpoints: `out/{run}.pth` (FP16, for inference) and `checkpoints/{run}_resume.pth` ---------
 
 def restore_training_state(state: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                            scaler: torch.amp.GradScaler, rank: int, world_size: int) -> None:
@@ -299,8 +320,8 @@ def restore_training_state(state: dict, model: torch.nn.Module, optimizer: torch
         optimizer.load_state_dict(state["optimizer"])
     if state["scaler"] is not None:
         scaler.load_state_dict(state["scaler"])
-    if len(state["rng"]) == world_size:  # this rank's RNGs, as capture_rng_state saved them (on another world
-        rng = state["rng"][rank]          # size every rank keeps its fresh seed): the same draws as without a stop
+    if len(state["rng"]) == world_size:  # this rank's RNGs, as save_on_ranks.capture_rng_state saved them (on
+        rng = state["rng"][rank]  # another world size every rank keeps its fresh seed): the draws without a stop
         torch.set_rng_state(rng["torch"])
         if rng["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
@@ -347,7 +368,7 @@ def lm_checkpoint(lm_config: LMConfig, weight: str, model: torch.nn.Module, opti
     `saver` (in a thread with --async_save; how many to keep). `trackers`: the wandb/SwanLab runs by name."""
     files = checkpoint_io.RunFiles(Path(checkpoint_dir), run_name(weight, lm_config))
     out_path = Path(save_dir) / f"{files.name}.pth"
-    rng_states = gather_rng_states(position.global_step, capture_rng_state())  # every rank's, in rank order
+    rng_states = gather_rng_states(position.global_step)  # every rank's, in rank order
     saver, trackers = saver or BackgroundSaver(False, False), {"wandb": None, "swanlab": None, **(trackers or {})}
     error, sharded, kept = None, sharding.is_sharded(model), files.history_file(position.global_step)
     if sharded or not dist.is_initialized() or dist.get_rank() == 0:
@@ -363,7 +384,7 @@ def lm_checkpoint(lm_config: LMConfig, weight: str, model: torch.nn.Module, opti
             "samples_consumed": position.samples_consumed,  # the data position: the one number resume trusts
             "global_step": position.global_step,  # optimizer steps since the run began; trackers log against it
             "world_size": len(rng_states), "lr": optimizer.param_groups[0]["lr"],
-            # Each rank's capture_rng_state() ({"torch", "cuda", "numpy", "python"}), in rank order; a resume on the
+            # Each rank's RNG states ({"torch", "cuda", "numpy", "python"}), in rank order; a resume on the
             "rng": rng_states,  # same world size restores each rank's own (restore_training_state)
             # What resume_checks compares, to refuse a resume that would not continue this run:
             "lm_config": resume_checks.plain(lm_config.to_dict()),  # LMConfig's fields: sizes, vocab, rope, MoE
@@ -424,27 +445,6 @@ def load_checkpoint(lm_config: LMConfig, weight: str, checkpoint_dir: str, run: 
         log(f"--from_resume 1: no checkpoint of {files.name} in {files.checkpoint_dir} yet; starting fresh")
         return None
     # A minimind file (a step count, no sample cursor) is converted; a resume that changed the model, data or
-    # settings is refused with a diff (resume_checks.py). No step is rescaled to this GPU count: the position is
-    # samples_consumed, the same on any (section 3), and gpu_count_rule says what another GPU count may change.
-    state = resume_checks.checked_for_resume(state, lm_config, run, log)
-    resume_checks.refuse_or_note(*gpu_count_rule(state["train_args"], run.settings), log)  # (problems: exit 2)
-    log(resume_checks.resume_summary(state, run.settings["world_size"], run.global_batch))
-    return state
-
-
-def gpu_count_rule(old: dict, new: dict) -> tuple[list[str], list[str]]:
-    """What a resume on another GPU count may change (`old`, `new`: the checkpoint's train_args and this run's):
-    with --global_batch_size G, any split of the same G continues exactly; without, G moves with the GPUs."""
-    split = [tuple(s[key] for key in ("batch_size", "world_size", "accumulation_steps")) for s in (old, new)]
-    g_old, g_new = (s["global_batch_size"] or math.prod(parts) for s, parts in zip((old, new), split))
-    fixed = old["global_batch_size"] is not None or new["global_batch_size"] is not None
-    if fixed and g_old != g_new:
-        return [f"  args.global_batch_size: checkpoint has {old['global_batch_size']!r} ({g_old} samples a step), "
-                f"this run has {new['global_batch_size']!r} ({g_new})"], []
-    problems = [f"  args.{key}: checkpoint has {old[key]!r}, this run has {new[key]!r}"
-                for key in ("batch_size", "accumulation_steps") if not fixed and old[key] != new[key]]
-    if split[0] == split[1]:
-        return problems, []
-    what = f"global batch {g_new} kept" if fixed else "global batch moves with the GPUs (--global_batch_size fixes it)"
-    return problems, [f"{what}: batch_size x world_size x accumulation {'x'.join(map(str, split[0]))} -> "
-                      f"{'x'.join(map(str, split[1]))}"]
+    # settings is refused with a diff. No step is rescaled to this GPU count: the position is samples_consumed,
+    # the same on any (section 3); resume_checks.gpu_count_rule says what another GPU count may change.
+    return resume_checks.checked_for_resume(state, lm_config, run, log)

@@ -28,6 +28,7 @@ from trainer.hardening.anomaly import parse_injection
 from trainer.hardening.checkpoint_io import HISTORY_NAME, RunFiles
 from trainer.hardening.from_weight import teacher_path
 from trainer.hardening.metrics_files import metrics_path, status_path
+from trainer.hardening.optimizer_checks import check_optimizer_flags, muon_matrix_parameters
 from trainer.hardening.resume_checks import ConfigError
 
 MAX_POSITIONS = LMConfig.max_position_embeddings  # the rotary table's length: no window may be longer
@@ -47,6 +48,9 @@ RANGES = {
     "global_batch_size": ("an integer >= 1 (samples per optimizer step, all ranks together)", lambda v: v >= 1),
     "learning_rate": ("a finite number >= 0 (the peak LR; 0 leaves the weights as they are)",
                       lambda v: 0 <= v < math.inf),
+    "muon_learning_rate": ("a finite number >= 0 (Muon's peak LR)", lambda v: 0 <= v < math.inf),
+    "weight_decay": ("a finite number >= 0 (AdamW's decoupled weight decay)", lambda v: 0 <= v < math.inf),
+    "muon_weight_decay": ("a finite number >= 0 (Muon's decoupled weight decay)", lambda v: 0 <= v < math.inf),
     "warmup_ratio": ("in [0, 1) (the share of the run the LR warms up over)", lambda v: 0 <= v < 1),
     "max_seq_len": (f"an integer in [2, {MAX_POSITIONS}] (n tokens give n - 1 next-token targets; the model's "
                     f"rotary table holds {MAX_POSITIONS} positions)", lambda v: 2 <= v <= MAX_POSITIONS),
@@ -115,6 +119,7 @@ def check_flags(args: argparse.Namespace) -> argparse.Namespace:
         raise ConfigError(f"--temperature {args.temperature}: must be in ({low}, {high:g}] for distillation (the KL "
                           f"is scaled by T^2: below, the teacher's share of the gradient vanishes; above, both "
                           f"distributions are near uniform and T^2 amplifies float rounding, up to NaN)")
+    check_optimizer_flags(args)  # --optimizer muon: a torch that has it, not under --parallel fsdp
     check_model_shape(args)
     check_paths(args)
     check_names(args)
@@ -415,7 +420,8 @@ def check_fits_in_memory(config: LMConfig, args: argparse.Namespace) -> None:
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     shards = world_size if args.parallel == "fsdp" else 1  # fsdp: each rank keeps 1/world_size of everything
     parameters = stage_parameters(config, args)
-    needed = parameters * TRAINING_BYTES_PER_PARAMETER // shards
+    muon = muon_matrix_parameters(config, args)  # --optimizer muon: one buffer, not two moments, for these
+    needed = (parameters * TRAINING_BYTES_PER_PARAMETER - 4 * muon) // shards
     if device.type != "cuda":  # the ranks of a node share its memory (torchrun's LOCAL_WORLD_SIZE)
         needed *= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     available, where = available_memory(device)
@@ -431,11 +437,12 @@ def check_fits_in_memory(config: LMConfig, args: argparse.Namespace) -> None:
     # The flag whose value grows the model most: put back at its default, it shrinks the count the most.
     culprit = max(given, key=lambda flag: parameters / stage_parameters(config, args, **{flag: defaults[flag]}))
     share = f", 1/{shards} of it on each of {shards} ranks (--parallel fsdp)" if shards > 1 else ""
+    muon_note = f"; 12 for the {muon / 1e6:,.1f}M Muon trains: one momentum" if muon else ""  # --optimizer muon
     model = "the model and its LoRA adapters" if getattr(args, "lora_rank", None) else "the model"
     raise ConfigError(f"--{culprit} {getattr(args, culprit)}: {model} would have {parameters / 1e6:,.1f}M "
                       f"parameters, and training them needs at least {gib(needed)} ({TRAINING_BYTES_PER_PARAMETER} "
-                      f"bytes a parameter: fp32 weights and gradients, AdamW's two moments{share}), but {where}; "
-                      f"lower --{culprit}")
+                      f"bytes a parameter: fp32 weights and gradients, AdamW's two moments{share}{muon_note}), "
+                      f"but {where}; lower --{culprit}")
 
 
 def check_rollouts_fit(config: LMConfig, args: argparse.Namespace, model: int, available: int, where: str) -> None:

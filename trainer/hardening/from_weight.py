@@ -1,4 +1,5 @@
-"""The model a run starts from --from_weight's file (trainer_utils.model_config: the one the size flags describe).
+"""The model a run starts from (`init_model`): the checkpoint's on a resume, --from_weight's file, or the one the
+size flags describe (trainer_utils.model_config) with random weights.
 
 `load_from_weight` reads --from_weight's file and takes the sizes from its
 tensors, so minimind's files (or ours of any shape) need no size flags; size flags given are checked against
@@ -23,6 +24,23 @@ from trainer.hardening.resume_checks import ConfigError
 # The flags that shape the model; None means "not given" (the model's default applies).
 SIZE_FLAGS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "use_moe",
               "intermediate_size", "num_experts", "num_experts_per_tok")
+
+
+def given_sizes(args) -> dict:
+    """The size flags given on the command line (the others are None: the weights file's, or LMConfig's default)."""
+    sizes = {name: getattr(args, name) for name in SIZE_FLAGS if getattr(args, name) is not None}
+    return {**sizes, "use_moe": bool(sizes.get("use_moe", 0))}
+
+
+def init_model(args, lm_config: LMConfig, log: Callable[[str], None],
+               resume_state: dict | None = None) -> tuple[CausalLM, LMConfig]:
+    """The model to train: the checkpoint's when resuming (weights restored in the script's section 5), else
+    --from_weight's (its sizes read from the file: load_from_weight), or one of `lm_config` with random weights."""
+    if resume_state is not None or args.from_weight == "none":  # (load_checkpoint checked the saved config)
+        lm_config = LMConfig.from_dict(resume_state["lm_config"]) if resume_state is not None else lm_config
+        return CausalLM(lm_config), lm_config
+    model = load_from_weight(args, lm_config.vocab_size, log)
+    return model, model.config
 
 
 def from_weight_path(args) -> Path:

@@ -3,7 +3,7 @@
 A resume continues the run exactly only if the model config, the data file and the settings that decide
 which samples form a step and the LR curve are unchanged. `check_resume_compatible` refuses any other
 change with a diff naming each field. Called once, from trainer_utils.load_checkpoint (checked_for_resume),
-which then applies the GPU-count rule (trainer_utils.gpu_count_rule: what another world size may change).
+with the GPU-count rule (gpu_count_rule: what another world size may change).
 """
 
 from __future__ import annotations
@@ -23,11 +23,13 @@ FIXED_TRAINING_ARGS = ("epochs", "seed", "max_seq_len", "pack", "learning_rate",
                        "max_turns",  # agentic GRPO's
                        "num_iterations", "loss_type",  # GRPO's too: how often, and by which loss, a batch trains
                        "base_sha256",  # LoRA's frozen base, DPO's reference: the hash of --from_weight's file
-                       "alpha", "teacher_sha256")  # distillation's: the CE's share, the hash of the teacher's file
+                       "alpha", "teacher_sha256",  # distillation's: the CE's share, the hash of the teacher's file
+                       "optimizer", "weight_decay", "muon_learning_rate", "muon_weight_decay")  # make_optimizer
 # The value of a setting a run without its flag trains with: SFT and checkpoints written before
 # --pack existed have no "pack", and they trained unpacked; GRPO's before --max_turns, --num_iterations and
-# --loss_type, one turn, one update per batch of rollouts, by DAPO's loss.
-SETTING_DEFAULTS = {"pack": 0, "max_turns": 1, "num_iterations": 1, "loss_type": "dapo"}
+# --loss_type, one turn, one update per batch of rollouts, by DAPO's loss; every stage before --optimizer, AdamW.
+SETTING_DEFAULTS = {"pack": 0, "max_turns": 1, "num_iterations": 1, "loss_type": "dapo",
+                    "optimizer": "adamw", "weight_decay": 0.01, "muon_weight_decay": 0.01}  # before --optimizer
 
 
 class ConfigError(ValueError):
@@ -115,7 +117,8 @@ def refuse_or_note(problems: list[str], notes: list[str], log) -> None:
 def checked_for_resume(state: dict, lm_config, run, log) -> dict:
     """The state a resume continues from, checked against this run (`run`: trainer_utils.RunSpec): a minimind
     file converted first (from_minimind_layout), sizes no flag gives taken from the checkpoint, then
-    check_resume_compatible; logs what was adapted and where training continues."""
+    check_resume_compatible and gpu_count_rule (problems: exit 2); logs what was adapted and where training
+    continues."""
     if is_minimind_layout(state):
         state = from_minimind_layout(state, lm_config, run, log)
     anomaly, old = state.get("anomaly") or {}, state.get("train_args") or {}
@@ -129,6 +132,8 @@ def checked_for_resume(state: dict, lm_config, run, log) -> dict:
         raise ConfigError(f"{state['resumed_from']}: its model config does not fit this version ({error})")
     for note in check_resume_compatible(state, lm_config.to_dict(), run.data_fingerprint, run.settings):
         log(f"resume: {note}")
+    refuse_or_note(*gpu_count_rule(state["train_args"], run.settings), log)
+    log(resume_summary(state, run.settings["world_size"], run.global_batch))
     return state
 
 
@@ -189,3 +194,21 @@ def resume_summary(state: dict, world_size: int, global_batch: int) -> str:
     changed = ", ".join(changes) + "; " if changes else ""
     return (f"resumed from {state['resumed_from']} saved at step {state['global_step']}: training continues from "
             f"sample {state['samples_consumed']} of epoch {state['epoch'] + 1} ({changed}{exact}, {rng})")
+
+
+def gpu_count_rule(old: dict, new: dict) -> tuple[list[str], list[str]]:
+    """What a resume on another GPU count may change (`old`, `new`: the checkpoint's train_args and this run's):
+    with --global_batch_size G, any split of the same G continues exactly; without, G moves with the GPUs."""
+    split = [tuple(s[key] for key in ("batch_size", "world_size", "accumulation_steps")) for s in (old, new)]
+    g_old, g_new = (s["global_batch_size"] or math.prod(parts) for s, parts in zip((old, new), split))
+    fixed = old["global_batch_size"] is not None or new["global_batch_size"] is not None
+    if fixed and g_old != g_new:
+        return [f"  args.global_batch_size: checkpoint has {old['global_batch_size']!r} ({g_old} samples a step), "
+                f"this run has {new['global_batch_size']!r} ({g_new})"], []
+    problems = [f"  args.{key}: checkpoint has {old[key]!r}, this run has {new[key]!r}"
+                for key in ("batch_size", "accumulation_steps") if not fixed and old[key] != new[key]]
+    if split[0] == split[1]:
+        return problems, []
+    what = f"global batch {g_new} kept" if fixed else "global batch moves with the GPUs (--global_batch_size fixes it)"
+    return problems, [f"{what}: batch_size x world_size x accumulation {'x'.join(map(str, split[0]))} -> "
+                      f"{'x'.join(map(str, split[1]))}"]

@@ -7,17 +7,34 @@ rank that could not save makes every rank raise, so no rank waits in a collectiv
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
+import torch
 import torch.distributed as dist
 
 from trainer.hardening.checkpoint_io import CheckpointError
 from trainer.hardening.run_lock import LockLost, lock_lost, lost_on_another_rank
 
 
-def gather_rng_states(global_step: int, rng_state: dict) -> list[dict]:
-    """Every rank's RNG state, in rank order. Every rank must be saving the same step, and this run must still
-    own its directories (each rank reads the lock file it holds or watches now): else every rank raises, and
-    nothing is written."""
-    lost = lock_lost(read=True)  # a takeover may be moments old: read, whatever the heartbeat's age
+def capture_rng_state() -> dict:
+    """Every RNG this process draws from (dropout, loader workers, anything seeded globally), weights_only-loadable."""
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    py_version, py_state, py_gauss = random.getstate()
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "numpy": {"kind": np_kind, "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
+                      "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss)},
+            "python": {"version": py_version, "state": torch.tensor(py_state, dtype=torch.int64),
+                       "gauss_next": py_gauss}}
+
+
+
+def gather_rng_states(global_step: int) -> list[dict]:
+    """Every rank's RNG state (capture_rng_state), in rank order. Every rank must be saving the same step, and this
+    run must still own its directories (each rank reads the lock file it holds or watches now): else every rank
+    raises, and nothing is written."""
+    lost, rng_state = lock_lost(read=True), capture_rng_state()  # a takeover may be moments old: read it now
     if not dist.is_initialized():
         if lost is not None:
             raise lost

@@ -1,0 +1,135 @@
+"""--optimizer muon (trainer_utils.make_optimizer): Muon for the attention and MLP projections, AdamW for the
+embedding and norms; its state in `_resume.pth`, a bit-identical resume, a resume with the other optimizer and
+--parallel fsdp refused in one line, a Muon-trained model loaded by LoRA, its memory counted."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+import torch
+from conftest import (assert_each_sample_once, assert_states_equal, resume_file, run_args, trace_of, train)
+
+from model.model import CausalLM, LMConfig
+from trainer.hardening.optimizer_checks import check_optimizer_flags, muon_matrix_parameters
+from trainer.hardening.resume_checks import ConfigError
+from trainer.trainer_utils import MuonAndAdamW, make_optimizer
+
+MUON = ["--optimizer", "muon", "--muon_learning_rate", "4e-3"]
+
+
+def muon_args(**changed) -> argparse.Namespace:
+    return argparse.Namespace(**{"optimizer": "muon", "learning_rate": 1e-3, "muon_learning_rate": 4e-3,
+                                 "weight_decay": 0.01, "muon_weight_decay": 0.01, **changed})
+
+
+@pytest.mark.parametrize("use_moe", [False, True])
+def test_muon_takes_the_projections_adamw_the_embedding_norms_and_router_and_the_memory_check_counts_them(use_moe):
+    config = LMConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      vocab_size=64, use_moe=use_moe, num_experts=2)
+    model = CausalLM(config)
+    optimizer = make_optimizer(model, muon_args())
+    assert isinstance(optimizer, MuonAndAdamW)
+    names = {id(p): name for name, p in model.named_parameters()}
+    on_muon = sorted(names[id(p)] for group in optimizer.muon.param_groups for p in group["params"])
+    on_adamw = sorted(names[id(p)] for group in optimizer.adamw.param_groups for p in group["params"])
+    assert on_muon and all(name.endswith("_proj.weight") for name in on_muon)
+    assert "model.embed_tokens.weight" in on_adamw and not any(name.endswith("_proj.weight") for name in on_adamw)
+    assert any(name.endswith("mlp.gate.weight") for name in on_adamw) == use_moe  # the MoE router: AdamW's
+    assert len(on_muon) + len(on_adamw) == len(names)  # every parameter once (the tied head is the embedding)
+    # flag_checks.check_fits_in_memory: 4 bytes fewer for each parameter Muon trains, counted from the sizes
+    assert muon_matrix_parameters(config, muon_args()) == sum(
+        p.numel() for group in optimizer.muon.param_groups for p in group["params"])
+    assert muon_matrix_parameters(config, muon_args(optimizer="adamw")) == 0
+
+    for group in optimizer.param_groups:  # the scripts' line: one schedule, Muon's group scaled by 4e-3 / 1e-3
+        group["lr"] = 5e-4 * group.get("lr_ratio", 1.0)
+    assert [g["lr"] for g in optimizer.adamw.param_groups] == [5e-4]
+    assert [g["lr"] for g in optimizer.muon.param_groups] == [pytest.approx(2e-3)]
+
+
+def test_muon_lowers_the_loss_and_a_non_finite_gradient_skips_both_optimizers():
+    torch.manual_seed(0)
+    model = CausalLM(LMConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              vocab_size=64))
+    optimizer = make_optimizer(model, muon_args(learning_rate=3e-3, muon_learning_rate=3e-3))
+    batch = torch.randint(0, 64, (4, 16))
+    losses = []
+    for _ in range(15):
+        loss = model(batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 1.0, losses
+
+    # trainer_utils.optimizer_step sets found_inf where the gradient norm is not finite: neither optimizer steps
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state_before = {k: v.clone() for k, v in optimizer.muon.state[model.model.layers[0].self_attn.q_proj.weight]
+                    .items()}
+    model(batch, labels=batch).loss.backward()
+    optimizer.found_inf = torch.ones(())
+    optimizer.step()
+    del optimizer.found_inf
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    after = optimizer.muon.state[model.model.layers[0].self_attn.q_proj.weight]
+    assert all(torch.equal(state_before[k], after[k]) for k in state_before)
+
+
+def test_muon_resumes_bit_identically_keeps_its_state_and_a_resume_with_adamw_is_refused_naming_both(
+        tmp_path, pretrain_data):
+    common = ["--batch_size", "2", "--accumulation_steps", "2", "--epochs", "1", *MUON]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train("train_pretrain.py", None, run_args(straight, pretrain_data, *common, "--max_steps", "5"), tmp_path)
+    train("train_pretrain.py", None, run_args(split, pretrain_data, *common, "--max_steps", "2"), tmp_path)
+    train("train_pretrain.py", None, run_args(split, pretrain_data, *common, "--max_steps", "3", "--from_resume", "1"),
+          tmp_path)
+    saved = resume_file(split)
+    assert set(saved["optimizer"]) == {"adamw", "muon"}
+    assert all(set(s) == {"momentum_buffer"} for s in saved["optimizer"]["muon"]["state"].values())
+    assert_states_equal(resume_file(straight), saved)
+    assert [r["loss"] for r in trace_of(straight)] == [r["loss"] for r in trace_of(split)]
+
+    adamw = [arg for arg in common if arg not in MUON]
+    refused = train("train_pretrain.py", None, run_args(split, pretrain_data, *adamw, "--from_resume", "1"),
+                    tmp_path, check=False)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "args.optimizer: checkpoint has 'muon', this run has 'adamw'" in refused.stderr
+
+
+def test_muon_under_fsdp_is_refused_in_one_line(tmp_path, pretrain_data):
+    result = train("train_pretrain.py", None, run_args(tmp_path, pretrain_data, *MUON, "--parallel", "fsdp"),
+                   tmp_path, check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "error: --optimizer muon with --parallel fsdp: Muon needs each matrix whole and an FSDP rank holds a slice; "
+        "use --parallel ddp or --optimizer adamw"]
+
+
+def test_muon_on_a_torch_without_it_is_refused_naming_the_version_that_has_it(monkeypatch):
+    monkeypatch.delattr(torch.optim, "Muon")  # torch before 2.9
+    with pytest.raises(ConfigError, match=r"^--optimizer muon: needs torch.optim.Muon, in PyTorch >= 2.9 \(this is "):
+        check_optimizer_flags(muon_args(parallel="ddp"))
+    check_optimizer_flags(muon_args(optimizer="adamw", parallel="ddp"))  # AdamW runs on any torch
+
+
+def test_a_model_fine_tuned_with_muon_loads_in_lora(tmp_path, sft_data):
+    flags = ["--batch_size", "2", "--max_steps", "2"]
+    train("train_full_sft.py", None, run_args(tmp_path / "sft", sft_data, *flags, *MUON, "--from_weight", "none"),
+          tmp_path)
+    lora = run_args(tmp_path / "lora", sft_data, *flags, "--save_dir", str(tmp_path / "sft" / "out"))
+    result = train("train_lora.py", None, lora, tmp_path)
+    assert (tmp_path / "sft" / "out" / "lora_demo_32.pth").exists(), result.stdout
+
+
+@pytest.mark.skipif(os.environ.get("TRAINER_SLOW_TESTS") != "1",
+                    reason="about 70 s on two shared CPU cores (6 ranks in all); set TRAINER_SLOW_TESTS=1 to run it")
+def test_muon_resumed_on_two_then_three_then_one_rank_trains_each_sample_once(tmp_path, pretrain_data):
+    common = run_args(tmp_path, pretrain_data, "--batch_size", "2", "--epochs", "2", *MUON)
+    train("train_pretrain.py", 2, [*common, "--max_steps", "5"], tmp_path)
+    train("train_pretrain.py", 3, [*common, "--max_steps", "5", "--from_resume", "1"], tmp_path)
+    train("train_pretrain.py", None, [*common, "--from_resume", "1"], tmp_path)
+    assert_each_sample_once(trace_of(tmp_path), num_samples=37, epochs=2)
+    final = resume_file(tmp_path)
+    assert set(final["optimizer"]) == {"adamw", "muon"} and (final["epoch"], final["samples_consumed"]) == (2, 0)

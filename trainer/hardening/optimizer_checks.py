@@ -1,0 +1,44 @@
+"""What --optimizer muon (trainer_utils.make_optimizer) needs before a run starts: a torch that ships Muon, and not
+--parallel fsdp; and how many parameters Muon trains, for the memory check (flag_checks.check_fits_in_memory)."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from trainer.hardening.resume_checks import ConfigError
+
+MUON_TORCH = "2.9"  # torch.optim.Muon first shipped in PyTorch 2.9
+
+
+def check_optimizer_flags(args: argparse.Namespace) -> None:
+    """Refuse --optimizer muon where it cannot run: a torch without Muon, or --parallel fsdp (Muon orthogonalises
+    each matrix whole; an FSDP rank holds a slice of it). Muon's LR defaults to --learning_rate."""
+    if getattr(args, "optimizer", "adamw") != "muon":
+        return
+    if not hasattr(torch.optim, "Muon"):
+        raise ConfigError(f"--optimizer muon: needs torch.optim.Muon, in PyTorch >= {MUON_TORCH} (this is "
+                          f"{torch.__version__}); upgrade torch or use --optimizer adamw")
+    if args.parallel == "fsdp":
+        raise ConfigError("--optimizer muon with --parallel fsdp: Muon needs each matrix whole and an FSDP rank "
+                          "holds a slice; use --parallel ddp or --optimizer adamw")
+    if args.learning_rate == 0:  # Muon's LR is the schedule's times muon_learning_rate / learning_rate
+        raise ConfigError("--optimizer muon with --learning_rate 0: Muon's LR follows the schedule as a multiple of "
+                          "--learning_rate; give --learning_rate > 0 (and --muon_learning_rate 0 to hold the "
+                          "matrices still)")
+    if args.muon_learning_rate is None:
+        args.muon_learning_rate = args.learning_rate
+
+
+def muon_matrix_parameters(config, args: argparse.Namespace) -> int:
+    """With --optimizer muon, the parameters Muon trains (trainer_utils.is_hidden_matrix), counted from the sizes as
+    flag_checks.parameter_count lays them out: per layer q, k, v, o and the MLP's (every expert's) three
+    projections; else 0. Muon keeps one fp32 buffer for each where AdamW keeps two: 4 bytes fewer a parameter."""
+    if getattr(args, "optimizer", "adamw") != "muon":
+        return 0
+    hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    head_dim = hidden // heads
+    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+    mlp = 3 * hidden * config.intermediate_size * (config.num_experts if config.use_moe else 1)
+    return config.num_hidden_layers * (attention + mlp)
