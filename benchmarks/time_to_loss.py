@@ -107,13 +107,20 @@ def main() -> None:
         records = (REPO / "dataset" / "pretrain_demo.jsonl").read_text(encoding="utf-8").splitlines()
         data = work / "pretrain.jsonl"
         data.write_text("\n".join(records[:args.train_lines]) + "\n", encoding="utf-8")
-        runs = [run_once(opt, float(lr), seed, data, args, work)
-                for seed in args.seeds for opt, lr in (run.split(":") for run in args.runs)]
+        runs = []
+        for seed in args.seeds:
+            for opt, lr in (run.split(":") for run in args.runs):
+                runs.append(run_once(opt, float(lr), seed, data, args, work))
+                save(args.out, runs)  # after each run: a long measurement stopped early keeps what it measured
     rows = table(runs)
     print("\n".join(rows))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"command": sys.argv, "runs": runs, "table": rows},
-                                         indent=1) + "\n", encoding="utf-8")
+    save(args.out, runs, rows)
+
+
+def save(out: str, runs: list[dict], rows: list[str] | None = None) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps({"command": sys.argv, "runs": runs, "table": rows}, indent=1) + "\n",
+                         encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -178,8 +178,9 @@ def test_the_tool_use_table_gives_eval_tools_totals_for_sft_the_tool_sft_model_a
     out/tool_grpo_*.pth (from that), named with the run's steps and time from its status file; the same totals
     eval_tools.py prints for each model."""
     items = tool_items(tmp_path)
+    em = slice_jsonl(REPO / "dataset" / "sft_demo_eval.jsonl", tmp_path / "eval.jsonl", 2)  # (not the table here)
     assert demo_table.main([*SIZE_FLAGS, "--save_dir", str(run / "out"), "--device", "cpu", "--max_new_tokens", "4",
-                            "--samples", "2", *small_files(tmp_path)]) == 0
+                            "--samples", "2", "--eval_data", str(em), *small_files(tmp_path)]) == 0
     table = capsys.readouterr().out.split("\n\n| tool use |")[1].splitlines()
     status = json.loads((run / "out" / "tool_sft_32_status.json").read_text())
     model, tokenizer = load(run, "tool_sft"), load_tokenizer(REPO / "model" / "tokenizer.json")
