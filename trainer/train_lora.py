@@ -160,7 +160,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         for group in optimizer.param_groups:
             group["lr"] = lr * group.get("lr_ratio", 1.0)  # Muon's group (--optimizer muon): its own peak LR
-        # AdamW's step: skipped on the device, with no wait, where a gradient is not finite
+        # The optimizer's step: skipped where a gradient is not finite, on the device with no wait (AdamW)
         optimizer_step(optimizer, scaler, grad_norm)
         optimizer.zero_grad(set_to_none=True)
         # Step N's loss: loss_sum, added over the ranks, / global_tokens (read_on_host divides).
@@ -184,11 +184,11 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
             verdict = policy.judge(step, numbers)  # anomaly policy: a bad step raises Rollback or AnomalyStop
             tracker.step(step, numbers, verdict)  # its trace line (--save_debug_train_output), tokens/s
         step, numbers = read[-1]  # step N, as the host now knows it: its LR, its loss over the global batch
-        if log_now:
+        if log_now:  # "epoch 1/2 step 50 (576 to go) loss 3.9120 lr 1.98e-03 grad_norm 0.412 9120 tok/s ETA 0h04m10s"
             tracker.log({"epoch": step.epoch, "samples_consumed": at.samples_consumed, "loss": numbers.loss,
                          "lr": step.lr, "grad_norm": numbers.grad_norm},
                         at.global_step, last_step)
-        if validate:
+        if validate:  # the mean loss per token over all of --val_data (eval mode, no grad), and its bits per byte
             tracker.validation(at.global_step, validation_loss(unwrap(model), between.val_ds, args.batch_size,
                                                                dist_info.device, autocast))
         if save_now:

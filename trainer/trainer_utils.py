@@ -84,8 +84,8 @@ def no_sync(model: torch.nn.Module, accumulate_only: bool = True) -> Iterator[No
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, grad_norm: torch.Tensor) -> None:
-    """AdamW's step, skipped on the device (no wait) where, and only where, `grad_norm` (of the gradients all ranks
-    share: all skip alike; fp16: GradScaler's check) is not finite. A spike is applied, and judged before a save."""
+    """The step (AdamW's; with Muon, both), skipped on the device where, and only where, `grad_norm` (of the gradients
+    all ranks share: all skip alike; fp16: GradScaler's check) is not finite. A spike is applied, judged later."""
     if not optimizer.defaults.get("fused"):
         raise ValueError("optimizer_step skips a step on the device: it needs AdamW(..., fused=True)")
     if scaler.is_enabled():
@@ -409,11 +409,11 @@ def lm_checkpoint(lm_config: LMConfig, weight: str, model: torch.nn.Module, opti
                 kept = sharding.save_sharded(files, state, model, optimizer, out_path, saver.keep_last, info, saver,
                                              saver.gather_weights)
             else:
-                # The save holds step N: `copy` is every tensor of `state` in CPU memory, copied now, before the
-                # next optimizer step can change a weight (on a GPU the copy runs on a side stream, and the next
-                # optimizer step waits for it on the device, not the host: background_save.py).
-                copy = saver.copy(state)  # (first waits for the save before, if one is still being written)
-                saver.write(write_checkpoint_files, files, out_path, copy, info, saver.keep_last)  # a thread, or now
+                # The save holds step N: copy = `state` with each tensor .to("cpu", copy=True), taken now, before the
+                # next optimizer step can change a weight (on a GPU: a side stream the next step waits for, on the
+                # device); write_checkpoint_files then runs now, or with --async_save on a thread as training goes on.
+                copy = saver.copy(state)  # (first waits for the save before, if it is still being written)
+                saver.write(write_checkpoint_files, files, out_path, copy, info, saver.keep_last)
         except Exception as caught:  # re-raised below, after telling the other ranks to stop too
             error = caught
     raise_on_every_rank(error)
@@ -424,14 +424,14 @@ def lm_checkpoint(lm_config: LMConfig, weight: str, model: torch.nn.Module, opti
 
 def write_checkpoint_files(files: checkpoint_io.RunFiles, out_path: Path, copy: dict, info: dict,
                            keep_last: int) -> None:
-    """The writer's job, from the CPU copy of step N's state: `out/{run}.pth`, then the verified `_resume.pth`,
-    each durably (checkpoint_io.py) and only while this run still holds its directories (run_lock.py)."""
-    raise_if_lock_lost()
+    """The writer's job, from the CPU copy of step N: out/{run}.pth, then checkpoints/{run}_history/step_N.pth with
+    a manifest (size, sha256) and `_resume.pth` pointing at it; each torch.save'd to a temp file, fsynced, renamed."""
+    raise_if_lock_lost()  # LockLost if another run took these directories over (run_lock.py): nothing written
     # The out/ file: every weight cast to FP16, half the bytes, for inference and the next stage (the resume file
     # keeps the FP32 masters). Tensors that share storage (the tied embedding and lm_head) stay one tensor.
     fp16 = {}
     weights = {name: fp16.setdefault(t.data_ptr(), t.to(torch.float16)) for name, t in copy["model"].items()}
-    checkpoint_io.write_out_weights(out_path, weights, copy["train_args"], raise_if_lock_lost)
+    checkpoint_io.write_out_weights(out_path, weights, copy["train_args"], raise_if_lock_lost)  # + out/{run}.json
     checkpoint_io.save_verified(files, copy, info["global_step"], keep_last, info, raise_if_lock_lost)
 
 
