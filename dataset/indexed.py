@@ -17,7 +17,7 @@ PLACEHOLDER_INDEX = -1
 
 def trained_samples(micro_batches: list) -> tuple[list[int], int]:
     """The sample indices in a step's micro-batches (as IndexedDataset yields them, placeholders left out), and
-    the input tokens of those micro-batches (for tokens/s)."""
+    the input tokens of those micro-batches, padding included (for tokens/s)."""
     return ([int(i) for indices, _, _ in micro_batches for i in indices if i != PLACEHOLDER_INDEX],
             sum(input_ids.numel() for _, input_ids, _ in micro_batches))
 

@@ -166,7 +166,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
         save_now = at.global_step % args.save_interval == 0 or at.samples_consumed == 0 or last
         if not (log_now or validate or save_now):
             continue  # no wait for the device: step N+1 is queued behind step N
-        read, taken = read_on_host(taken), []  # the one wait, as minimind's loss.item(): all steps since the last
+        read, taken = read_on_host(taken), []  # the wait, as minimind's loss.item(): all steps since the last
         for step, numbers in read:
             verdict = policy.judge(step, numbers)  # anomaly policy: a bad step raises Rollback or AnomalyStop
             tracker.step(step, numbers, verdict)  # its trace line (--save_debug_train_output), tokens/s

@@ -32,7 +32,7 @@ def check_optimizer_flags(args: argparse.Namespace) -> None:
 
 
 def muon_matrix_parameters(config, args: argparse.Namespace) -> int:
-    """With --optimizer muon, the parameters Muon trains (trainer_utils.is_hidden_matrix), counted from the sizes as
+    """With --optimizer muon, the parameters Muon trains (trainer_utils.make_optimizer: the *_proj matrices), counted from the sizes as
     flag_checks.parameter_count lays them out: per layer q, k, v, o and the MLP's (every expert's) three
     projections; else 0. Muon keeps one fp32 buffer for each where AdamW keeps two: 4 bytes fewer a parameter."""
     if getattr(args, "optimizer", "adamw") != "muon":
