@@ -27,6 +27,19 @@ from trainer.hardening import checkpoint_io as cio
 from trainer.hardening.checkpoint_io import RunFiles
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def is_slow(item) -> bool:
+    """A test that runs only when TRAINER_SLOW_TESTS=1: its skipif says so."""
+    return any("TRAINER_SLOW_TESTS" in str(mark.kwargs.get("reason", "")) for mark in item.iter_markers("skipif"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """TRAINER_SLOW_ONLY=1 (.ci/run's second command, after the README's): the slow tests of the files and ids it
+    names, without the others of those files, which the README's command has just run."""
+    if os.environ.get("TRAINER_SLOW_ONLY") == "1":
+        config.hook.pytest_deselected(items=[item for item in items if not is_slow(item)])
+        items[:] = [item for item in items if is_slow(item)]
 FAULT_INJECTION_DIR = REPO / "tests" / "fault_injection"
 # The project's own Python files: the folders of the layout and the top-level modules, never a venv made in the
 # clone (the README's install line puts one at .venv) nor a tool's cache.
