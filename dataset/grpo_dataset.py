@@ -221,7 +221,8 @@ def sample_groups(model, micro_batch: list[torch.Tensor], encoder: ChatEncoder, 
     device = next(model.parameters()).device
     indices, prompts, prompt_labels = micro_batch[0].tolist(), micro_batch[1].to(device), micro_batch[2].to(device)
     asked = [ids[labels != IGNORE_INDEX] for ids, labels in zip(prompts, prompt_labels)]  # empty: the placeholder
-    with autocast:  # (modulo 2**63: a generator's seed is 64 bits; --seed up to 2**31 times the epoch factor exceeds it)
+    # (modulo 2**63: a generator's seed is 64 bits; --seed up to 2**31 times the epoch factor exceeds it)
+    with autocast:
         completions = rollout(model, asked, group_size, max_new_tokens, temperature,
                               [(seed * 1_000_003 + index) % 2**63 for index in indices], EOS_ID)
     input_ids, labels = trained_batch(asked, completions, PAD_ID, IGNORE_INDEX)

@@ -96,6 +96,39 @@ def draw(logits: torch.Tensor, live: list[int], temperature: float, generators: 
     return torch.cat(drawn).tolist()  # one wait for the device, for all rows
 
 
+def read_prompts(model: CausalLM, cache: list, prompts: list[torch.Tensor], group_size: int,
+                 logits: torch.Tensor) -> list[int]:
+    """Read each prompt once, into the first row of its group, and copy its keys and values (and its next-token
+    logits) into the other G - 1 rows. Returns each row's length (0 for a prompt with no ids)."""
+    lengths = []
+    for p, prompt in enumerate(prompts):
+        first, end = p * group_size, (p + 1) * group_size
+        lengths += [len(prompt)] * group_size
+        if not len(prompt):
+            continue
+        logits[first:end] = forward_rows(model, cache, [first], prompt[None], [0])
+        for keys, values in cache:
+            keys[first + 1:end, :, :len(prompt)] = keys[first:first + 1, :, :len(prompt)]
+            values[first + 1:end, :, :len(prompt)] = values[first:first + 1, :, :len(prompt)]
+    return lengths
+
+
+def feed(model: CausalLM, cache: list, logits: torch.Tensor, lengths: list[int], decoding: list[tuple[int, list]],
+         chunks: list[tuple[int, list]]) -> None:
+    """Read each live row's new ids into its cache, after its `lengths[row]` ids, and put its next-token logits in
+    `logits`: one forward for all rows that go on drawing (their drawn token), one per row that reads forced ids
+    (its turn's end and those ids, in one chunk: nothing before them is read again)."""
+    device = logits.device
+    if decoding:
+        rows = [r for r, _ in decoding]
+        fed = torch.tensor([new for _, new in decoding], device=device)
+        logits[rows] = forward_rows(model, cache, rows, fed, [lengths[r] for r in rows])
+    for r, chunk in chunks:
+        logits[r] = forward_rows(model, cache, [r], torch.tensor([chunk], device=device), [lengths[r]])[0]
+    for r, new in decoding + chunks:
+        lengths[r] += len(new)
+
+
 @torch.no_grad()
 def rollout(model: CausalLM, prompts: list[torch.Tensor], group_size: int, max_new_tokens: int, temperature: float,
             prompt_seeds: list[int], eos_id: int, after_turn: AfterTurn | None = None) -> list[Completion]:
@@ -112,18 +145,9 @@ def rollout(model: CausalLM, prompts: list[torch.Tensor], group_size: int, max_n
     generators = [torch.Generator(device).manual_seed(row_seed(seed, g)) for seed in prompt_seeds
                   for g in range(group_size)]
     logits = torch.empty(rows, vocab, device=device)  # each live row's next-token logits
-    lengths, ids, sampled, turn_start, live = [0] * rows, [[] for _ in range(rows)], [[] for _ in range(rows)], \
-        [0] * rows, []
-    for p, prompt in enumerate(prompts):  # each prompt read once; its keys and values copied into its G rows
-        first, end = p * group_size, (p + 1) * group_size
-        if not len(prompt):
-            continue
-        logits[first:end] = forward_rows(model, cache, [first], prompt[None], [0])
-        for keys, values in cache:
-            keys[first + 1:end, :, :len(prompt)] = keys[first:first + 1, :, :len(prompt)]
-            values[first + 1:end, :, :len(prompt)] = values[first:first + 1, :, :len(prompt)]
-        lengths[first:end] = [len(prompt)] * group_size
-        live += range(first, end)
+    lengths = read_prompts(model, cache, prompts, group_size, logits)  # how many ids each row's cache holds
+    ids, sampled, turn_start = [[] for _ in range(rows)], [[] for _ in range(rows)], [0] * rows
+    live = [r for r in range(rows) if lengths[r]]  # (a placeholder's rows draw nothing)
     while live:
         decoding, chunks = [], []  # rows fed their drawn token; rows fed it with forced ids after it
         for r, token in zip(live, draw(logits, live, temperature, generators)):
@@ -138,18 +162,11 @@ def rollout(model: CausalLM, prompts: list[torch.Tensor], group_size: int, max_n
                 sampled[r] += [False] * len(forced)
                 turn_start[r] = len(ids[r])
                 chunks.append((r, [token, *forced]))
-        if decoding:  # one forward for all rows that go on drawing
-            fed = torch.tensor([ids[r][-1] for r in decoding], device=device)[:, None]
-            logits[decoding] = forward_rows(model, cache, decoding, fed, [lengths[r] for r in decoding])
-            for r in decoding:
-                lengths[r] += 1
-        for r, chunk in chunks:  # a turn's end and the forced ids, read in one chunk into that row's cache
-            logits[r] = forward_rows(model, cache, [r], torch.tensor([chunk], device=device), [lengths[r]])[0]
-            lengths[r] += len(chunk)
+        feed(model, cache, logits, lengths, [(r, [ids[r][-1]]) for r in decoding], chunks)
         live = sorted(decoding + [r for r, _ in chunks])
     model.train(was_training)
-    return [Completion(torch.tensor(row, dtype=torch.long, device=device), torch.tensor(mask, dtype=torch.bool, device=device))
-            for row, mask in zip(ids, sampled)]
+    return [Completion(torch.tensor(row, dtype=torch.long, device=device),
+                       torch.tensor(mask, dtype=torch.bool, device=device)) for row, mask in zip(ids, sampled)]
 
 
 def trained_batch(prompts: list[torch.Tensor], completions: list[Completion], pad_id: int,
