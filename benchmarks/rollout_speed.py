@@ -41,9 +41,9 @@ CASES = {  # name: (data, prompts, G, --max_seq_len, --max_completion_len, --max
 }
 
 
-def teach_tool_calls(path: Path, steps: int) -> None:
+def teach_tool_calls(path: Path, steps: int) -> float:
     """The demo's shape, taught by heart to answer each of the agentic case's prompts with a calculator call, then,
-    after the real calculator's result, the reference answer; FP16 weights saved at `path`."""
+    after the real calculator's result, the reference answer; FP16 weights saved at `path`. Returns the last loss."""
     import torch
 
     from dataset.lm_dataset import SFTDataset
@@ -64,14 +64,16 @@ def teach_tool_calls(path: Path, steps: int) -> None:
         dataset = SFTDataset(str(lines), tokenizer, CASES["agentic"][3])
         torch.manual_seed(0)
         model = CausalLM(LMConfig(vocab_size=tokenizer.get_vocab_size(), **SIZE))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         for step in range(steps):
             input_ids, labels = map(torch.stack, zip(*(dataset[(4 * step + k) % len(dataset)] for k in range(4))))
-            optimizer.param_groups[0]["lr"] = 1e-2 * (1 - step / steps)
-            model(input_ids, labels=labels).loss.backward()
+            optimizer.param_groups[0]["lr"] = 3e-3 * (1 - step / steps)
+            loss = model(input_ids, labels=labels).loss
+            loss.backward()
             optimizer.step()
             optimizer.zero_grad()
     torch.save({name: tensor.half() for name, tensor in model.state_dict().items()}, path)
+    return float(loss.detach())
 
 
 def measure(weights: str, case: str) -> dict:
@@ -102,7 +104,7 @@ def measure(weights: str, case: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=2, help="runs of each code and case")
-    parser.add_argument("--teach_steps", type=int, default=150, help="steps that teach the weights to call a tool")
+    parser.add_argument("--teach_steps", type=int, default=200, help="steps that teach the weights to call a tool")
     parser.add_argument("--measure", nargs=3, metavar=("CODE", "WEIGHTS", "CASE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:  # a child: the code under test first on the import path, one thread
@@ -122,9 +124,10 @@ def main() -> None:
         subprocess.run(["tar", "-x", "-C", str(today)], input=archive, check=True)
         weights = Path(scratch) / "tool_caller_128.pth"
         started = time.perf_counter()
-        teach_tool_calls(weights, args.teach_steps)
+        loss = teach_tool_calls(weights, args.teach_steps)
         print(f"weights: the demo's shape ({SIZE}), taught to call the calculator in {args.teach_steps} steps "
-              f"({time.perf_counter() - started:.0f} s); one thread; load average {os.getloadavg()[0]:.1f}")
+              f"({time.perf_counter() - started:.0f} s, last loss {loss:.3f}); one thread; load average "
+              f"{os.getloadavg()[0]:.1f}")
         for case, (data, prompts, group, max_seq_len, max_completion_len, max_turns) in CASES.items():
             print(f"\n{case}: {data}, {prompts} prompts x {group}, --max_seq_len {max_seq_len} --max_completion_len "
                   f"{max_completion_len} --max_turns {max_turns}")
