@@ -31,7 +31,6 @@ from typing import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch.utils.data import Dataset
 
@@ -42,6 +41,7 @@ from dataset.rewards import NEEDS_ANSWER
 from dataset.tool_rollouts import sample_tool_groups
 from dataset.tools import DEMO_TOOLS, Tool
 from model.model import LMConfig
+from model.rollout import rollout, trained_batch
 from model.tokenizer import EOS_ID, PAD_ID
 
 EXAMPLE = '{"conversations": [{"role": "user", "content": "3+4?"}, {"role": "assistant", "content": "7"}]}'
@@ -212,33 +212,22 @@ class GRPODataset(Dataset):
 @torch.no_grad()
 def sample_groups(model, micro_batch: list[torch.Tensor], encoder: ChatEncoder, group_size: int,
                   max_new_tokens: int, temperature: float, seed: int, autocast) -> tuple:
-    """G completions of each prompt of a micro-batch ((indices, input_ids, labels) as the loader gives them), with
-    the model's KV-cache generation, the G of a prompt in one batch, drawn with a generator seeded by
-    (seed, the prompt's index): the same completions on any rank, after any resume. Returns input_ids and
-    labels [prompts x G, T] on the model's device (prompt + completion, right-padded; the labels cover the
-    completion through its end of text) and each prompt's G decoded completions (None for the loader's
-    placeholder, whose rows add nothing)."""
+    """G completions of each prompt of a micro-batch ((indices, input_ids, labels) as the loader gives them), all
+    decoded together by model/rollout.py (each prompt read once for its G rows), row g of a prompt drawn with its own
+    generator seeded by (seed, the prompt's index, g): the same completions on any rank, after any resume, beside any
+    other prompts. Returns input_ids and labels [prompts x G, T] on the model's device (prompt + completion,
+    right-padded; the labels are the sampled ids, through the end of text) and each prompt's G decoded completions
+    (None for the loader's placeholder, whose rows add nothing)."""
     device = next(model.parameters()).device
-    indices, prompts, prompt_labels = micro_batch[0], micro_batch[1].to(device), micro_batch[2].to(device)
-    rows, texts = [], []
-    for index, ids, labels in zip(indices.tolist(), prompts, prompt_labels):
-        prompt = ids[labels != IGNORE_INDEX]  # empty: the placeholder
-        completion = torch.full((group_size, 1), PAD_ID, device=ids.device)
-        if len(prompt):
-            # (modulo 2**63: a generator's seed is 64 bits; --seed up to 2**31 times the epoch factor exceeds it)
-            generator = torch.Generator(ids.device).manual_seed((seed * 1_000_003 + index) % 2**63)
-            with autocast:
-                completion = model.generate(prompt.repeat(group_size, 1), max_new_tokens, temperature,
-                                            eos_token_id=EOS_ID, generator=generator)[:, len(prompt):]
-        is_end = completion == EOS_ID
-        kept = ((is_end.cumsum(dim=1) - is_end.long()) == 0) & bool(len(prompt))  # through the first end of text
-        texts.append([encoder.decode(row[keep].tolist()) for row, keep in zip(completion, kept)] if len(prompt)
-                     else None)
-        rows += [(torch.cat([prompt, row]), F.pad(row.masked_fill(~keep, IGNORE_INDEX), (len(prompt), 0),
-                                                  value=IGNORE_INDEX)) for row, keep in zip(completion, kept)]
-    width = max(len(row) for row, _ in rows)  # right padding: a causal model's earlier positions never see it
-    input_ids = torch.stack([F.pad(row, (0, width - len(row)), value=PAD_ID) for row, _ in rows])
-    labels = torch.stack([F.pad(label, (0, width - len(label)), value=IGNORE_INDEX) for _, label in rows])
+    indices, prompts, prompt_labels = micro_batch[0].tolist(), micro_batch[1].to(device), micro_batch[2].to(device)
+    asked = [ids[labels != IGNORE_INDEX] for ids, labels in zip(prompts, prompt_labels)]  # empty: the placeholder
+    # (modulo 2**63: a generator's seed is 64 bits; --seed up to 2**31 times the epoch factor exceeds it)
+    with autocast:
+        completions = rollout(model, asked, group_size, max_new_tokens, temperature,
+                              [(seed * 1_000_003 + index) % 2**63 for index in indices], EOS_ID)
+    input_ids, labels = trained_batch(asked, completions, PAD_ID, IGNORE_INDEX)
+    texts = [[encoder.decode(c.ids.tolist()) for c in completions[p * group_size:(p + 1) * group_size]]
+             if len(prompt) else None for p, prompt in enumerate(asked)]
     return input_ids, labels, texts
 
 

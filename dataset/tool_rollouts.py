@@ -22,11 +22,12 @@ model reads {"error": "..."} as that call's result, and the tool reward scores t
 naming a tool not offered, or arguments that do not fit the schema are scored 0 as well (the model reads the
 error run_tool answers for the last two).
 
-Seeding: each prompt's group is drawn with one generator seeded by (seed, epoch, prompt), carried across its turns:
-turn 1 for the G completions together, then each completion's later turns in order. Tools that are plain functions
-of their arguments (the demo's are) give the same results every time, so a resume and any rank count sample the
-same rollouts. The one thing that can differ between a run and its resume is a call that hits its time limit on
-one machine and not on the other.
+All rows of a micro-batch's groups decode together (model/rollout.py): a row whose turn ends with calls gets the
+results as forced tokens, read into its own KV cache, while the other rows go on; nothing is read again from the
+start. Seeding: row g of a prompt's group draws from its own generator, seeded by (seed, epoch, prompt, g), carried
+across its turns, whatever else is in the batch. Tools that are plain functions of their arguments (the demo's are)
+give the same results every time, so a resume and any rank count sample the same rollouts. The one thing that can
+differ between a run and its resume is a call that hits its time limit on one machine and not on the other.
 """
 
 from __future__ import annotations
@@ -34,13 +35,13 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from dataset.chat_format import ChatEncoder, Segment, render_segments, template_segments
 from dataset.lm_dataset import IGNORE_INDEX
 from dataset.rewards import final_answer
 from dataset.tool_calls import parse_tool_calls
 from dataset.tools import TIME_LIMIT_S, Tool, argument_problem, error_text, run_tool
+from model.rollout import rollout, trained_batch
 from model.tokenizer import EOS_ID, PAD_ID
 
 
@@ -92,35 +93,38 @@ def run_calls(calls: list[ToolCall], offered: dict[str, Tool], time_limit_s: flo
     return results, checked
 
 
-def continue_rollout(model, prompt: torch.Tensor, first: torch.Tensor, encoder: ChatEncoder, offered: dict,
-                     max_new_tokens: int, max_turns: int, temperature: float, generator, autocast,
-                     time_limit_s: float) -> tuple[torch.Tensor, torch.Tensor, Rollout]:
-    """One completion's rollout from its first turn `first` (tokens after the prompt, as generate gave them): the
-    ids after the prompt, their labels (-100 on tool turns), and what it did."""
-    ids, labels, turns, calls, turn, ran = [], [], [], [], first, 0
-    while True:
-        ended = (turn == EOS_ID).nonzero()
-        kept = turn[:int(ended[0]) + 1] if len(ended) else turn  # through its end of text; the rest is padding
-        ids.append(kept)
-        labels.append(kept)
-        turns.append(encoder.decode(kept.tolist()))
-        made, well_formed = check_calls(turns[-1], offered)
-        calls += made
-        if not (len(ended) and made and well_formed) or len(turns) == max_turns:
-            break
-        results, checked = run_calls(made, offered, time_limit_s)
-        calls[-len(made):], ran = checked, ran + len(made)  # a failed run: that call scores 0
-        tool_ids = torch.tensor(encoder.encode(tool_turn(results))[0], device=prompt.device)
-        room = max_new_tokens - sum(len(part) for part in ids) - len(tool_ids)
-        if room < 1:  # no room for a model token after the results: the rollout ends with its calls
-            break
-        ids.append(tool_ids)
-        labels.append(torch.full_like(tool_ids, IGNORE_INDEX))  # the tools' text and the template's: not trained
-        so_far = torch.cat([prompt, *ids])
-        with autocast:  # the same generator, carried on: the next turn is drawn alike after a resume
-            turn = model.generate(so_far[None], room, temperature, eos_token_id=EOS_ID,
-                                  generator=generator)[0, len(so_far):]
-    return torch.cat(ids), torch.cat(labels), Rollout(turns, calls, ran)
+class ToolTurns:
+    """What happens when a rollout's turn ends (model/rollout.py's after_turn), for the rows of a micro-batch's groups:
+    the turn's text and calls are kept; after a turn that ended (its end of text) with well-formed calls, while
+    turns are left, the calls run and the tool turn's ids (tool_turn) are handed back, to be read as forced tokens.
+    `rollouts()` then gives each prompt's G Rollouts."""
+
+    def __init__(self, offered: list[dict | None], group_size: int, encoder: ChatEncoder, max_turns: int,
+                 time_limit_s: float):
+        self.offered, self.group_size, self.encoder = offered, group_size, encoder  # offered: per prompt, its tools
+        self.max_turns, self.time_limit_s = max_turns, time_limit_s
+        self.turns = [[] for _ in range(len(offered) * group_size)]  # per row: the model's text of each turn
+        self.calls = [[] for _ in self.turns]
+        self.ran = [0] * len(self.turns)
+
+    def after_turn(self, row: int, turn: list[int], ended: bool) -> list[int] | None:
+        """The ids to read after this turn (the tools' results in the template), or None: the rollout ends."""
+        offered = self.offered[row // self.group_size]
+        self.turns[row].append(self.encoder.decode(turn))
+        made, well_formed = check_calls(self.turns[row][-1], offered)
+        self.calls[row] += made
+        if not (ended and made and well_formed) or len(self.turns[row]) == self.max_turns:
+            return None
+        results, checked = run_calls(made, offered, self.time_limit_s)
+        self.calls[row][-len(made):], self.ran[row] = checked, self.ran[row] + len(made)  # a failed run: scores 0
+        # (the engine reads them only if one more model token fits after them in --max_completion_len)
+        return self.encoder.encode(tool_turn(results))[0]
+
+    def rollouts(self) -> list[list[Rollout] | None]:
+        """Each prompt's G Rollouts (None for the loader's placeholder)."""
+        rows = [Rollout(*done) for done in zip(self.turns, self.calls, self.ran)]
+        return [rows[p * self.group_size:(p + 1) * self.group_size] if offered is not None else None
+                for p, offered in enumerate(self.offered)]
 
 
 @torch.no_grad()
@@ -128,35 +132,18 @@ def sample_tool_groups(model, micro_batch: list[torch.Tensor], dataset, group_si
                        temperature: float, seed: int, autocast, max_turns: int,
                        time_limit_s: float = TIME_LIMIT_S) -> tuple:
     """grpo_dataset.sample_groups with tools: G rollouts of up to `max_turns` model turns for each prompt of a
-    micro-batch, `max_new_tokens` for the whole rollout. Returns input_ids and labels [prompts x G, T] (right-padded;
-    labels on the model's tokens only), each prompt's G final answers (the last turn's text) and its G Rollouts
-    (None for the loader's placeholder)."""
+    micro-batch, `max_new_tokens` for the whole rollout, all decoded together (model/rollout.py). Returns input_ids
+    and labels [prompts x G, T] (right-padded; labels on the model's tokens only), each prompt's G final answers (the
+    last turn's text) and its G Rollouts (None for the loader's placeholder)."""
     device = next(model.parameters()).device
-    indices, prompts, prompt_labels = micro_batch[0], micro_batch[1].to(device), micro_batch[2].to(device)
-    rows, texts, rollouts = [], [], []
-    for index, ids, labels in zip(indices.tolist(), prompts, prompt_labels):
-        prompt = ids[labels != IGNORE_INDEX]
-        if not len(prompt):  # the placeholder: one padding token a row, nothing trained
-            rows += [(torch.full((1,), PAD_ID, device=device), torch.full((1,), IGNORE_INDEX, device=device))] * \
-                group_size
-            texts.append(None)
-            rollouts.append(None)
-            continue
-        # seeded as sample_groups seeds: (seed, the prompt's index), modulo a generator's 64 bits
-        generator = torch.Generator(device).manual_seed((seed * 1_000_003 + index) % 2**63)
-        with autocast:
-            first = model.generate(prompt.repeat(group_size, 1), max_new_tokens, temperature, eos_token_id=EOS_ID,
-                                   generator=generator)[:, len(prompt):]
-        offered, group = dataset.tools(index), []
-        for turn in first:
-            new_ids, new_labels, rollout = continue_rollout(model, prompt, turn, dataset.encoder, offered,
-                                                            max_new_tokens, max_turns, temperature, generator,
-                                                            autocast, time_limit_s)
-            rows.append((torch.cat([prompt, new_ids]), F.pad(new_labels, (len(prompt), 0), value=IGNORE_INDEX)))
-            group.append(rollout)
-        texts.append([rollout.turns[-1] for rollout in group])
-        rollouts.append(group)
-    width = max(len(row) for row, _ in rows)
-    input_ids = torch.stack([F.pad(row, (0, width - len(row)), value=PAD_ID) for row, _ in rows])
-    labels = torch.stack([F.pad(label, (0, width - len(label)), value=IGNORE_INDEX) for _, label in rows])
+    indices, prompts, prompt_labels = micro_batch[0].tolist(), micro_batch[1].to(device), micro_batch[2].to(device)
+    asked = [ids[labels != IGNORE_INDEX] for ids, labels in zip(prompts, prompt_labels)]  # empty: the placeholder
+    offered = [dataset.tools(index) if len(prompt) else None for index, prompt in zip(indices, asked)]
+    turns = ToolTurns(offered, group_size, dataset.encoder, max_turns, time_limit_s)
+    with autocast:  # seeded as sample_groups seeds: (seed, the prompt's index), modulo a generator's 64 bits
+        completions = rollout(model, asked, group_size, max_new_tokens, temperature,
+                              [(seed * 1_000_003 + index) % 2**63 for index in indices], EOS_ID, turns.after_turn)
+    input_ids, labels = trained_batch(asked, completions, PAD_ID, IGNORE_INDEX)
+    rollouts = turns.rollouts()
+    texts = [[rollout.turns[-1] for rollout in group] if group is not None else None for group in rollouts]
     return input_ids, labels, texts, rollouts

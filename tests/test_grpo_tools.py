@@ -22,6 +22,7 @@ from dataset.rewards import reward_functions, score_groups
 from dataset.lm_dataset import SFTDataset
 from dataset.tool_rollouts import ToolCall, check_calls, run_calls, sample_tool_groups, tool_turn
 from dataset.tools import DEMO_TOOLS, MAX_RESULT_CHARS, Tool, _spec, run_tool
+from model import rollout as engine
 from model.model import CausalLM, LMConfig
 from model.tokenizer import DEFAULT_TOKENIZER, EOS_ID, load_tokenizer
 from test_dpo import TINY, write_jsonl
@@ -73,18 +74,34 @@ def write_tool_caller(out_dir: Path, steps: int = 250) -> Path:
 
 
 class Scripted(CausalLM):
-    """A real tiny model whose generate writes the given turns in order (each row of a batch the same), whatever it
-    is asked: a model driven to call a tool. It keeps what it was asked."""
+    """A real tiny model whose rows write the given turns in the order their turns begin (a prompt's G rows the same
+    first turn), whatever they read: a model driven to call a tool. It stands in for model/rollout.py's forward_rows
+    (rollouts_of swaps it in), so the engine's own loop runs: what is drawn, forced, labelled. `asked` keeps what a
+    row had read when each of its turns began (the prompt; after a tool turn, the whole rollout so far)."""
 
-    def __init__(self, config: LMConfig, turns: list[list[int]]):
+    def __init__(self, config: LMConfig, turns: list[list[int]], group_size: int = 2):
         super().__init__(config)
-        self.turns, self.asked = list(turns), []
+        self.turns, self.asked, self.group_size = list(turns), [], group_size
+        self.read, self.writing = {}, {}  # per row: the ids it has read; the rest of the turn it writes
+        self.fed = []  # each forward: (its rows, how many ids each read)
 
-    def generate(self, input_ids, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, eos_token_id=None,
-                 generator=None):
-        self.asked.append(input_ids.clone())
-        new = torch.tensor(self.turns.pop(0))[:max_new_tokens]
-        return torch.cat([input_ids, new.repeat(len(input_ids), 1)], dim=1)
+    def scripted_logits(self, cache, rows: list[int], ids: torch.Tensor, starts: list[int]) -> torch.Tensor:
+        logits = torch.full((len(rows), self.config.vocab_size), float("-inf"))
+        self.fed.append((list(rows), ids.shape[1]))
+        for i, (row, start) in enumerate(zip(rows, starts)):
+            group = range(row, row + self.group_size)
+            if start == 0:  # a prompt, read once for its G rows (the engine copies what it read, and these logits)
+                self.read.update({r: ids[i].tolist() for r in group})
+                self.writing.update({r: list(self.turns[0][1:]) for r in group})  # each row writes the next turn
+                self.asked.append(ids[i].clone())
+                logits[i, self.turns.pop(0)[0]] = 0.0  # drawn surely
+                continue
+            self.read[row] += ids[i].tolist()
+            if ids.shape[1] > 1:  # a tool turn read after the turn's end: the row writes the next turn
+                self.writing[row] = list(self.turns.pop(0))
+                self.asked.append(torch.tensor(self.read[row]))
+            logits[i, self.writing[row].pop(0) if self.writing[row] else EOS_ID] = 0.0
+        return logits
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +127,10 @@ def turn_ids(dataset: GRPODataset, messages: list[dict]) -> list[int]:
 def rollouts_of(dataset: GRPODataset, model: CausalLM, max_turns: int = 2, max_new_tokens: int = 200, **kwargs):
     item = dataset[0]
     batch = [torch.tensor([0]), item[0][None], item[1][None]]
-    return sample_tool_groups(model, batch, dataset, 2, max_new_tokens, 1.0, 7, nullcontext(), max_turns, **kwargs)
+    with pytest.MonkeyPatch.context() as patch:  # the scripted model writes its turns (Scripted)
+        patch.setattr(engine, "forward_rows", lambda model, *args: model.scripted_logits(*args))
+        return sample_tool_groups(model, batch, dataset, 2, max_new_tokens, 1.0, 7, nullcontext(), max_turns,
+                                  **kwargs)
 
 
 def test_a_called_tool_runs_its_result_is_appended_as_the_template_renders_it_and_only_the_model_is_labelled(
@@ -139,7 +159,7 @@ def test_a_called_tool_runs_its_result_is_appended_as_the_template_renders_it_an
     assert (labels[0, tool_start:tool_end] == -100).all() and (labels[0, tool_end:] != -100).all()
     assert '<tool_response>\n{"result": 391}\n</tool_response>' in dataset.encoder.decode(
         input_ids[0, tool_start:tool_end].tolist())  # the real calculator's result, not trained
-    assert model.asked[1][0].tolist() == ids[:tool_end]  # turn 2 was asked after the result
+    assert model.asked[1].tolist() == ids[:tool_end]  # turn 2 was asked after the result
 
     assert texts == [["<think>\n\n</think>\n\n391", "<think>\n\n</think>\n\n390"]]  # the final turns
     assert [[call.problem for call in rollout.calls] for rollout in rollouts[0]] == [[None], [None]]
@@ -152,6 +172,42 @@ def test_a_called_tool_runs_its_result_is_appended_as_the_template_renders_it_an
     model.turns = [turn_ids(dataset, calls)]
     short = rollouts_of(dataset, model, max_new_tokens=len(turn_ids(dataset, calls)) + 10)[3][0][0]
     assert short.turns == [dataset.encoder.decode(turn_ids(dataset, calls))] and short.calls[0].problem is None
+
+
+def test_the_trained_ids_are_the_drawn_ids_and_a_tool_turn_the_templates_ids_read_while_other_rows_go_on(
+        tmp_path, tokenizer):
+    """Two prompts decoded together: the first's rows call the calculator, whose result is read into their caches as
+    the template's tool turn (tool_turn, encoded as the existing code encodes it) while the second's rows go on
+    writing a long answer; each row is its prompt, then exactly the ids drawn and forced, and only the drawn are
+    labelled."""
+    data = write_jsonl(tmp_path / "tools.jsonl", tool_questions(2))
+    dataset = GRPODataset(data, tokenizer, 800, reward_functions("tool"), runs_tools=True)
+    first, second = (dataset.source.read(i)["conversations"][:2] for i in (0, 1))
+    calls = [*first, call("calculator", {"expression": "0 * 7"})]
+    result = run_tool("calculator", {"expression": "0 * 7"}).text
+    answer = turn_ids(dataset, [*calls, {"role": "tool", "content": result}, {"role": "assistant", "content": "0"}])
+    long_answer = turn_ids(dataset, [*second, {"role": "assistant", "content": "7 " * 40}])
+    model = Scripted(LMConfig(vocab_size=tokenizer.get_vocab_size(), **TINY),
+                     [turn_ids(dataset, calls), long_answer, answer, answer])
+    items = [dataset[0], dataset[1]]
+    batch = [torch.tensor([0, 1]), *(torch.stack(column) for column in zip(*items))]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine, "forward_rows", lambda model, *args: model.scripted_logits(*args))
+        input_ids, labels, texts, rollouts = sample_tool_groups(model, batch, dataset, 2, 200, 1.0, 7, nullcontext(),
+                                                                2)
+    prompts = [ids[labels != -100].tolist() for ids, labels in items]
+    tool_ids = dataset.encoder.encode(tool_turn([result]))[0]  # the template's pieces around the result
+    for row in range(4):
+        drawn = [turn_ids(dataset, calls), answer] if row < 2 else [long_answer]
+        rollout = prompts[row // 2] + (drawn[0] + tool_ids + drawn[1] if row < 2 else drawn[0])
+        assert input_ids[row, :len(rollout)].tolist() == rollout and (input_ids[row, len(rollout):] == 0).all()
+        assert labels[row][labels[row] != -100].tolist() == sum(drawn, [])  # the drawn ids only, in order
+    assert [rollout.ran for rollout in rollouts[0]] == [1, 1] and [r.ran for r in rollouts[1]] == [0, 0]
+    assert texts[1] == [dataset.encoder.decode(long_answer)] * 2
+    # The tool turn was read (a chunk for one row) while the second prompt's rows were still writing (decoded after)
+    chunk = model.fed.index(([0], len(tool_ids) + 1))  # (the turn's end of text, then the tool turn)
+    assert any(2 in rows for rows, _ in model.fed[chunk + 1:]) and model.asked[2].tolist() == \
+        prompts[0] + turn_ids(dataset, calls) + tool_ids
 
 
 def test_a_tool_that_hangs_gives_the_model_an_error_scores_0_and_training_goes_on(tmp_path, tokenizer, monkeypatch):
@@ -172,7 +228,7 @@ def test_a_tool_that_hangs_gives_the_model_an_error_scores_0_and_training_goes_o
     started = time.monotonic()
     _, _, texts, rollouts = rollouts_of(dataset, model, time_limit_s=0.5)
     assert time.monotonic() - started < 10  # stopped at its limit, twice
-    read = dataset.encoder.decode(model.asked[1][0].tolist())
+    read = dataset.encoder.decode(model.asked[1].tolist())
     assert '{"error": "tool sleepy: no result in 0.5 s; stopped"}' in read, read[-200:]
     assert score_groups(dataset.rewards, texts, [None], 2, rollouts)[0].tolist() == [[0.0, 0.0]]
 
@@ -188,7 +244,7 @@ def test_a_planted_payload_in_the_arguments_runs_nothing(tmp_path, tokenizer):
     model = Scripted(LMConfig(vocab_size=tokenizer.get_vocab_size(), **TINY), [turn_ids(dataset, calls), answer,
                                                                                answer])
     rollouts_of(dataset, model)
-    read = dataset.encoder.decode(model.asked[1][0].tolist())
+    read = dataset.encoder.decode(model.asked[1].tolist())
     assert '{"error": "Call is not arithmetic' in read and not marker.exists(), read[-300:]
 
 

@@ -120,8 +120,8 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, beta: float, clip_eps: fl
 
 
 def step_rollouts(model, micro_batches, train_ds, args, epoch: int, autocast, device):  # grpo
-    """The step's rollouts, before any loss (it divides by their tokens): per micro-batch (input_ids, labels,
-    advantages); this rank's completion tokens; the numbers a user watches (tracking.watched_metrics)."""
+    """The step's rollouts before any loss (it divides by their tokens): per micro-batch, all rows decoded together
+    (model/rollout.py), (input_ids, labels: the sampled ids, advantages); its tokens; what a user watches."""
     done, watched, G = [], torch.zeros(5, dtype=torch.float64), args.num_generations
     for batch in micro_batches:  # (indices, prompts, their labels) as the loader gives them
         input_ids, labels, texts, rollouts = sample_rollouts(model, batch, train_ds, G, args.max_completion_len,
@@ -202,8 +202,8 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
         end = sampler.step_end(s)  # the data position once this step is taken
         # The LR at the position this step reaches, so the first step already trains.
         lr = get_lr((epoch * n + end) / (args.epochs * n), base_lr, args.warmup_ratio)
-        on_device, local_tokens, watch = step_rollouts(unwrap(model), micro_batches, train_ds, args, epoch,  # grpo
-                                                       autocast, dist_info.device)  # grpo
+        on_device, local_tokens, watch = step_rollouts(  # grpo: the rollouts sampled, their token count, metrics
+            unwrap(model), micro_batches, train_ds, args, epoch, autocast, dist_info.device)  # grpo
         # The loss is a sum over completion tokens divided by those of the WHOLE global batch (grpo: its  # grpo
         # completions; all ranks, all micro-steps), so the gradient does not depend on how the batch is split.  # grpo
         global_tokens = sum_over_ranks(loss_denominator(on_device, local_tokens, args.loss_type))  # grpo
