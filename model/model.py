@@ -346,6 +346,7 @@ class CausalLM(nn.Module):
         past_key_values: KVCache | None = None,
         use_cache: bool = False,
         loss_reduction: str = "mean",
+        temperature: float = 1.0,
     ) -> CausalLMOutput:
         """Logits for every position, and the next-token loss when `labels` are given.
 
@@ -354,6 +355,8 @@ class CausalLM(nn.Module):
         the counted tokens, `"sum"` adds them up (0.0 when none count), for callers that normalise
         by the token count of a larger batch; `"none"` gives each position's loss, (batch, seq), 0.0
         where ignored (validation weighs each by the bytes of its token: trainer/hardening/tracking.py).
+        `temperature`: the loss under softmax(logits / temperature), the distribution sample_next_token draws
+        from at that temperature (GRPO scores its rollouts by it); 1 leaves the logits as they are.
         """
         hidden, new_cache, aux_loss = self.model(input_ids, past_key_values, use_cache)
         logits = self.lm_head(hidden)
@@ -365,7 +368,8 @@ class CausalLM(nn.Module):
             # nothing (-100). Slicing the logits would copy all of them; flatten(0, 1) is a view.
             # (Under autocast, cross_entropy computes in fp32, as it must for a sum over many tokens.)
             targets = F.pad(labels[:, 1:], (0, 1), value=-100).flatten()
-            loss = F.cross_entropy(logits.flatten(0, 1), targets, ignore_index=-100,
+            scores = logits.flatten(0, 1) if temperature == 1.0 else logits.flatten(0, 1) / temperature
+            loss = F.cross_entropy(scores, targets, ignore_index=-100,
                                    reduction="none" if loss_reduction == "none" else "sum")
             if loss_reduction == "none":
                 loss = loss.view(labels.shape)
@@ -393,8 +397,8 @@ class CausalLM(nn.Module):
         """Continue `input_ids` (batch, seq) by up to `max_new_tokens`; returns prompt + new tokens.
 
         temperature < 1e-5 (0 included) means greedy; `generator` (on the model's device) draws the samples
-        instead of the global RNG (GRPO's rollouts: drawn again alike after a resume). A sequence stops at `eos_token_id` (None: never stop
-        early); in a batch, finished rows are padded with pad_token_id until all rows are done.
+        instead of the global RNG (drawn again alike after a resume). A sequence stops at `eos_token_id` (None:
+        never stop early); in a batch, finished rows are padded with pad_token_id until all rows are done.
         """
         was_training = self.training
         self.eval()

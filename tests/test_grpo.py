@@ -25,7 +25,7 @@ from model.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
 from test_dpo import TINY, write_jsonl
 from trainer.hardening.resume_checks import ConfigError, ResumeMismatch, check_resume_compatible
 from trainer.train_grpo import (completion_losses, group_advantages, grpo_loss, loss_denominator, parse_args,
-                                 token_weights)
+                                 sampling_logps, token_weights)
 
 
 def question(q: str, answer: str | None, before: list | None = None) -> dict:
@@ -163,7 +163,7 @@ def test_the_gradient_is_the_same_however_the_rollouts_are_split_into_micro_batc
     for row, start in enumerate([3, 3, 5, 5, 2, 2, 6, 6]):  # completions of different lengths per group
         labels[row, start:] = input_ids[row, start:]
     advantages = group_advantages(torch.rand(4, 2, dtype=torch.float64)).flatten().float()
-    args = SimpleNamespace(beta=0.1, clip_eps=0.2, loss_type=loss_type)
+    args = SimpleNamespace(beta=0.1, clip_eps=0.2, loss_type=loss_type, temperature=1.0)
     tokens = loss_denominator([(input_ids, labels, advantages)], (labels[:, 1:] != -100).sum().double(), loss_type)
     with torch.no_grad():  # pi_old: these weights' log-probabilities, moved
         old = -model(input_ids, labels=labels, loss_reduction="none").loss + 0.3 * torch.randn(8, 10)
@@ -182,6 +182,38 @@ def test_the_gradient_is_the_same_however_the_rollouts_are_split_into_micro_batc
     assert watch[-1] > 0  # the clip acted (the last part's clipped tokens)
     assert any(g.abs().sum() > 0 for g in whole)
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(whole, split))
+
+
+def test_the_ratio_and_the_kl_take_the_log_probabilities_of_the_temperature_the_rollouts_were_sampled_at():
+    """At --temperature T the rollouts are drawn from softmax(logits / T) (sample_next_token): the policy's and the
+    reference's log-probabilities GRPO scores them by are that distribution's, not softmax(logits)'s."""
+    torch.manual_seed(0)
+    model, ref_model = CausalLM(LMConfig(vocab_size=64, **TINY)), CausalLM(LMConfig(vocab_size=64, **TINY))
+    input_ids = torch.randint(1, 64, (4, 9))
+    labels = torch.full_like(input_ids, -100)
+    labels[:, 4:] = input_ids[:, 4:]
+    rollouts = [(input_ids, labels, torch.zeros(4))]
+
+    def drawn_at(m: CausalLM, temperature: float) -> torch.Tensor:
+        """log softmax(logits / T) of each next token that has a label, 0 elsewhere, by hand."""
+        with torch.no_grad():
+            logps = torch.log_softmax(m(input_ids).logits / temperature, dim=-1)[:, :-1]
+        picked = logps.gather(-1, input_ids[:, 1:, None]).squeeze(-1) * (labels[:, 1:] != -100)
+        return torch.nn.functional.pad(picked, (0, 1))
+
+    for temperature in (0.7, 1.0, 1.5):
+        args = SimpleNamespace(num_iterations=2, temperature=temperature)
+        [(policy, reference)] = sampling_logps(model, ref_model, rollouts, args, nullcontext())
+        assert torch.allclose(policy, drawn_at(model, temperature), atol=1e-5)
+        assert torch.allclose(reference, drawn_at(ref_model, temperature), atol=1e-5)
+    assert not torch.allclose(drawn_at(model, 1.5), drawn_at(model, 1.0), atol=1e-3)  # T changes them
+    # One update: completion_losses takes them itself, at T: the KL it adds up is the one between those two
+    watch = torch.zeros(7, dtype=torch.float64)
+    args = SimpleNamespace(beta=0.1, clip_eps=0.2, loss_type="dapo", temperature=1.5)
+    completion_losses(model, ref_model, input_ids, labels, torch.ones(4), args, watch)
+    difference = drawn_at(ref_model, 1.5) - drawn_at(model, 1.5)
+    kl = (torch.exp(difference) - difference - 1) * torch.nn.functional.pad(labels[:, 1:] != -100, (0, 1))
+    assert watch[-2].item() == pytest.approx(kl.sum().item(), rel=1e-4)
 
 
 # ---- the prompts and the rollouts --------------------------------------------------------------

@@ -137,8 +137,9 @@ def step_rollouts(model, micro_batches, train_ds, args, epoch: int, autocast, de
 def completion_losses(model, ref_model, input_ids, labels, advantages, args, watch, old=None, ref=None):  # grpo
     """GRPO's loss per completion token, weighted (0 elsewhere), the aux loss; adds the KL sum, clipped tokens to
     watch[-2:]. old, ref: pi_old's and the reference's log-probabilities (sampling_logps); None: computed here."""
-    out = model(input_ids, labels=labels, loss_reduction="none")  # out.loss at t: -log p of token t + 1
-    ref_logps = -ref_model(input_ids, labels=labels, loss_reduction="none").loss if ref is None else ref  # frozen
+    T = args.temperature  # the log-probabilities of the distribution the rollouts were sampled from, at T
+    out = model(input_ids, labels=labels, loss_reduction="none", temperature=T)  # out.loss at t: -log p of t + 1
+    ref_logps = -ref_model(input_ids, labels=labels, loss_reduction="none", temperature=T).loss if ref is None else ref
     mask = torch.nn.functional.pad(labels[:, 1:] != -100, (0, 1)).float()  # the completion's tokens, as out.loss
     old = -out.loss.detach() if old is None else old  # one update: the sampling policy is this one
     losses, kl, clipped = grpo_loss(-out.loss, old, ref_logps, advantages, args.beta, args.clip_eps, args.loss_type)
@@ -158,8 +159,9 @@ def sampling_logps(model, ref_model, rollouts, args, autocast) -> list:  # grpo
     if args.num_iterations == 1:
         return [(None, None)] * len(rollouts)
     with torch.no_grad(), autocast:
-        return [(-model(input_ids, labels=labels, loss_reduction="none").loss,
-                 -ref_model(input_ids, labels=labels, loss_reduction="none").loss) for input_ids, labels, _ in rollouts]
+        return [(-model(input_ids, labels=labels, loss_reduction="none", temperature=args.temperature).loss,
+                 -ref_model(input_ids, labels=labels, loss_reduction="none", temperature=args.temperature).loss)
+                for input_ids, labels, _ in rollouts]
 
 
 def loss_denominator(rollouts, local_tokens: torch.Tensor, loss_type: str) -> torch.Tensor:  # grpo
