@@ -21,7 +21,7 @@ def collected(**env: str) -> list[str]:
 
 
 def test_slow_only_collects_the_slow_tests_of_the_files_named_and_none_of_their_fast_ones():
-    everything = collected(TRAINER_SLOW_TESTS="1")
+    everything = collected(TRAINER_SLOW_TESTS="1", TRAINER_SLOW_ONLY="0")
     slow = collected(TRAINER_SLOW_TESTS="1", TRAINER_SLOW_ONLY="1")
     assert slow and set(slow) < set(everything)
     assert any(test.startswith("tests/test_after_sft_commands.py::test_every_after_sft_command_runs_as_printed_after_"

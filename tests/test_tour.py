@@ -172,7 +172,8 @@ def scratch_copy(to: Path) -> Path:
 def start(exercise: Exercise, clone: Path) -> subprocess.Popen:
     """The exercise's command as a learner types it in `clone`, its output in `clone`/../NAME.out: a default run
     (no TRAINER_SLOW_TESTS), with no variable of the pytest running this test."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_") and k != "TRAINER_SLOW_TESTS"}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("PYTEST_") and k not in ("TRAINER_SLOW_TESTS", "TRAINER_SLOW_ONLY")}
     env.update(WANDB_MODE="offline", SWANLAB_MODE="offline", HF_HUB_OFFLINE="1")
     with open(clone.with_suffix(".out"), "w") as output:
         return subprocess.Popen([sys.executable, *shlex.split(exercise.command)[1:]], cwd=clone, env=env,
