@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from model.model import CausalLM, LMConfig
 from model.tokenizer import load_tokenizer
 from trainer.hardening.sharding import shard_model
-from trainer.trainer_utils import cleanup_distributed
+from trainer.hardening.process_exit import cleanup_distributed
 
 GiB = 1024 ** 3
 

@@ -116,7 +116,7 @@ def test_dpo_starts_from_trained_weights_and_says_so():
     from argparse import Namespace
 
     from trainer.hardening.resume_checks import ConfigError
-    from trainer.trainer_utils import frozen_model
+    from trainer.hardening.from_weight import frozen_model
     with pytest.raises(ConfigError, match="--from_weight none: this stage starts from trained weights; name them"):
         frozen_model(Namespace(from_weight="none"), None, print)
 

@@ -126,7 +126,7 @@ def test_a_lock_removed_by_hand_is_lost_and_not_written_again(tmp_path, monkeypa
     saver = BackgroundSaver(background=False, pin_memory=False)  # the saver refuses: each step learns it so
     assert saver.failed and isinstance(saver.error, run_lock.LockLost)
     with pytest.raises(run_lock.LockLost):  # and a save, first thing, before anything is written
-        gather_rng_states(3, {})
+        gather_rng_states(3)
     writer.log({"step": 1, "loss": 1.0}, 10)
     writer.beat(1, time.time())
     writer.finish("failed", 1)  # the exit path
