@@ -114,6 +114,14 @@ def test_muon_on_a_torch_without_it_is_refused_naming_the_version_that_has_it(mo
     check_optimizer_flags(muon_args(optimizer="adamw", parallel="ddp"))  # AdamW runs on any torch
 
 
+def test_muon_with_a_zero_learning_rate_is_refused_as_its_lr_is_a_multiple_of_it():
+    with pytest.raises(ConfigError, match=r"^--optimizer muon with --learning_rate 0: Muon's LR follows the schedule"):
+        check_optimizer_flags(muon_args(parallel="ddp", learning_rate=0.0))
+    args = muon_args(parallel="ddp", muon_learning_rate=None)
+    check_optimizer_flags(args)
+    assert args.muon_learning_rate == args.learning_rate  # Muon's LR defaults to --learning_rate
+
+
 @pytest.mark.skipif(os.environ.get("TRAINER_SLOW_TESTS") != "1",
                     reason="two training runs; set TRAINER_SLOW_TESTS=1 to run it (.ci/run does)")
 def test_a_model_fine_tuned_with_muon_loads_in_lora(tmp_path, sft_data):
