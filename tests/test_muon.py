@@ -49,6 +49,40 @@ def test_muon_takes_the_projections_adamw_the_embedding_norms_and_router_and_the
     assert [g["lr"] for g in optimizer.muon.param_groups] == [pytest.approx(2e-3)]
 
 
+def newton_schulz(gradient: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """What Muon does to a matrix's update, in float32 (torch's Muon, torch/optim/_muon.py, runs it in bfloat16):
+    five steps of x <- a x + (b x x^T + c (x x^T)^2) x move every singular value of x towards 1 and keep its
+    singular vectors, so the update keeps the gradient's directions but moves the weight as far along each."""
+    a, b, c = 3.4445, -4.7750, 2.0315  # a quintic chosen to pull small singular values up fast (slope a at 0)
+    x = gradient / gradient.norm()  # Frobenius norm >= the largest singular value: every one starts <= 1
+    tall = x.shape[0] > x.shape[1]
+    x = x.T if tall else x  # x x^T: the smaller Gram matrix
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+@pytest.mark.parametrize("shape", [(32, 64), (64, 32)])
+def test_muons_update_is_the_gradient_with_its_singular_values_brought_near_one(shape):
+    torch.manual_seed(0)
+    left, _ = torch.linalg.qr(torch.randn(shape[0], shape[0]))
+    right, _ = torch.linalg.qr(torch.randn(shape[1], shape[1]))
+    k = min(shape)
+    gradient = left[:, :k] @ torch.diag(torch.logspace(0, -2, k)) @ right[:, :k].T  # singular values 1 .. 0.01
+    weight = torch.nn.Parameter(torch.zeros(shape))
+    weight.grad = gradient.clone()
+    # the first step, from zero momentum and without decay: the momentum is a multiple of the gradient
+    torch.optim.Muon([weight], lr=1e-2, weight_decay=0.0, adjust_lr_fn="match_rms_adamw").step()
+    update = -weight.detach() / (1e-2 * 0.2 * max(shape) ** 0.5)  # match_rms_adamw: lr x 0.2 sqrt(max(A, B))
+    torch.testing.assert_close(update, newton_schulz(gradient), atol=0.03, rtol=0)  # bfloat16's rounding
+    singular = torch.linalg.svdvals(update)
+    assert 0.6 < singular.min() and singular.max() < 1.2, singular  # 100x apart in the gradient, < 2x here
+    in_the_gradients_basis = left[:, :k].T @ update @ right[:, :k]  # diagonal: the same singular vectors
+    off_diagonal = in_the_gradients_basis - torch.diag(in_the_gradients_basis.diagonal())
+    assert off_diagonal.abs().max() < 0.03 and 0.6 < in_the_gradients_basis.diagonal().min()
+
+
 def test_muon_lowers_the_loss_and_a_non_finite_gradient_skips_both_optimizers():
     torch.manual_seed(0)
     model = CausalLM(LMConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -118,7 +118,7 @@ def as_pattern(fragment: str) -> str:
 @pytest.mark.parametrize("tour", TOURS)
 def test_every_fragment_a_stop_quotes_is_in_its_file_in_the_tours_order(tour):
     blocks = stops(tour)
-    assert len(blocks) == 9, f"{tour}: the fast path and 8 stops, found {len(blocks)} blocks"
+    assert len(blocks) == 10, f"{tour}: the fast path and 9 stops, found {len(blocks)} blocks"
     problems = []
     for block in blocks:
         cursor = {}  # per file: where the previous fragment quoted from it ends
@@ -137,13 +137,13 @@ def test_every_fragment_a_stop_quotes_is_in_its_file_in_the_tours_order(tour):
 
 def test_both_tours_quote_the_same_code_and_print_the_same_exercises():
     english, chinese = (exercises(tour) for tour in TOURS)
-    assert len(english) == 8 and english == chinese, (english, chinese)
-    assert len(re.findall(r"\*\*Break it:\*\*", tour_text(TOURS[0]))) == 8  # no sentence the form above misses
-    assert len(re.findall(r"\*\*弄坏它：\*\*", tour_text(TOURS[1]))) == 8
+    assert len(english) == 9 and english == chinese, (english, chinese)
+    assert len(re.findall(r"\*\*Break it:\*\*", tour_text(TOURS[0]))) == 9  # no sentence the form above misses
+    assert len(re.findall(r"\*\*弄坏它：\*\*", tour_text(TOURS[1]))) == 9
     assert [quoted_code(block) for block in stops(TOURS[0])] == [quoted_code(block) for block in stops(TOURS[1])]
 
 
-@pytest.mark.parametrize("number", range(1, 9))
+@pytest.mark.parametrize("number", range(1, 10))
 def test_each_exercise_breaks_its_file_in_one_place_and_runs_a_test_a_default_run_runs(number):
     exercise = exercises(TOURS[0])[number - 1]
     exercise.broken((REPO / exercise.file).read_text(encoding="utf-8"))  # `old` once (a whole line, to delete)
@@ -188,9 +188,9 @@ def finish(job: subprocess.Popen, clone: Path) -> tuple[int, str, str]:
 
 
 @pytest.mark.skipif(os.environ.get("TRAINER_SLOW_TESTS") != "1",
-                    reason="each exercise's test twice, side by side: about 3 minutes for the eight with -n 2; "
+                    reason="each exercise's test twice, side by side: about 3 minutes for the nine with -n 2; "
                            "set TRAINER_SLOW_TESTS=1 to run it (.ci/run does)")
-@pytest.mark.parametrize("number", range(1, 9))
+@pytest.mark.parametrize("number", range(1, 10))
 def test_each_exercise_passes_as_printed_and_fails_once_broken(number, tmp_path):
     exercise = exercises(TOURS[0])[number - 1]
     intact, broken = scratch_copy(tmp_path / "intact"), scratch_copy(tmp_path / "broken")
