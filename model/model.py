@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from model.rope import check_rope_scaling, inverse_frequencies
@@ -123,7 +124,7 @@ class LMConfig:
 
 
 class CausalLMOutput(NamedTuple):
-    logits: torch.Tensor  # (batch, seq, vocab)
+    logits: torch.Tensor | None  # (batch, seq, vocab); None where the loss was taken in chunks (chunk_tokens)
     loss: torch.Tensor | None  # language-model loss only, without aux_loss
     aux_loss: torch.Tensor  # MoE load-balancing loss, already scaled by aux_loss_coef; 0 when dense
     past_key_values: KVCache | None
@@ -347,6 +348,7 @@ class CausalLM(nn.Module):
         use_cache: bool = False,
         loss_reduction: str = "mean",
         temperature: float = 1.0,
+        chunk_tokens: int = 0,
     ) -> CausalLMOutput:
         """Logits for every position, and the next-token loss when `labels` are given.
 
@@ -357,8 +359,18 @@ class CausalLM(nn.Module):
         where ignored (validation weighs each by the bytes of its token: trainer/hardening/tracking.py).
         `temperature`: the loss under softmax(logits / temperature), the distribution sample_next_token draws
         from at that temperature (GRPO scores its rollouts by it); 1 leaves the logits as they are.
+        `chunk_tokens` (with `loss_reduction="none"`): the head and the loss taken that many positions at a time and
+        taken again in the backward, so a batch's (positions x vocab) float32 log-softmax is never whole in memory
+        (GRPO's long rollouts); no logits are returned. Each position's loss is the one it has unchunked, up to rounding.
         """
         hidden, new_cache, aux_loss = self.model(input_ids, past_key_values, use_cache)
+        aux_loss = self.config.aux_loss_coef * aux_loss if self.config.use_moe else aux_loss
+        if chunk_tokens and labels is not None and loss_reduction == "none":
+            targets = F.pad(labels[:, 1:], (0, 1), value=-100).flatten()  # position t predicts labels[t + 1]
+            # checkpoint: the backward recomputes a chunk's logits instead of keeping every chunk's log-softmax
+            pieces = [torch.utils.checkpoint.checkpoint(self.token_losses, h, t, temperature, use_reentrant=False)
+                      for h, t in zip(hidden.flatten(0, 1).split(chunk_tokens), targets.split(chunk_tokens))]
+            return CausalLMOutput(None, torch.cat(pieces).view(labels.shape), aux_loss, None)
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:
@@ -376,12 +388,13 @@ class CausalLM(nn.Module):
             elif loss_reduction == "mean":
                 # clamp: a batch with no counted token gives 0 instead of 0/0 = NaN.
                 loss = loss / (targets != -100).sum().clamp(min=1)
-        return CausalLMOutput(
-            logits=logits,
-            loss=loss,
-            aux_loss=self.config.aux_loss_coef * aux_loss if self.config.use_moe else aux_loss,
-            past_key_values=new_cache if use_cache else None,
-        )
+        return CausalLMOutput(logits=logits, loss=loss, aux_loss=aux_loss,
+                              past_key_values=new_cache if use_cache else None)
+
+    def token_losses(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+        """-log p(target) at each of `hidden`'s positions (positions, hidden_size), 0 where the target is -100."""
+        scores = self.lm_head(hidden) if temperature == 1.0 else self.lm_head(hidden) / temperature
+        return F.cross_entropy(scores, targets, ignore_index=-100, reduction="none")
 
     @torch.no_grad()
     def generate(

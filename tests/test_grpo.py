@@ -163,7 +163,7 @@ def test_the_gradient_is_the_same_however_the_rollouts_are_split_into_micro_batc
     for row, start in enumerate([3, 3, 5, 5, 2, 2, 6, 6]):  # completions of different lengths per group
         labels[row, start:] = input_ids[row, start:]
     advantages = group_advantages(torch.rand(4, 2, dtype=torch.float64)).flatten().float()
-    args = SimpleNamespace(beta=0.1, clip_eps=0.2, loss_type=loss_type, temperature=1.0)
+    args = SimpleNamespace(beta=0.1, clip_eps=0.2, loss_type=loss_type, temperature=1.0, logps_chunk=7)
     tokens = loss_denominator([(input_ids, labels, advantages)], (labels[:, 1:] != -100).sum().double(), loss_type)
     with torch.no_grad():  # pi_old: these weights' log-probabilities, moved
         old = -model(input_ids, labels=labels, loss_reduction="none").loss + 0.3 * torch.randn(8, 10)
@@ -184,6 +184,34 @@ def test_the_gradient_is_the_same_however_the_rollouts_are_split_into_micro_batc
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(whole, split))
 
 
+@pytest.mark.parametrize("use_moe", [False, True])
+def test_log_probabilities_taken_in_chunks_keep_no_batch_wide_vocabulary_tensor_and_give_the_same_numbers(use_moe):
+    torch.manual_seed(0)
+    vocab = 300
+    model = CausalLM(LMConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              vocab_size=vocab, use_moe=use_moe, num_experts=2))
+    input_ids = torch.randint(1, vocab, (6, 40))
+    labels = input_ids.clone()
+    labels[:, :12] = -100  # the prompts
+    labels[3, 30:] = -100  # a completion that ended early
+
+    def run(chunk: int) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Size]]:
+        kept = []  # what autograd keeps for the backward (a checkpointed chunk keeps its inputs only)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.shape) or t, lambda t: t):
+            out = model(input_ids, labels=labels, loss_reduction="none", temperature=0.8, chunk_tokens=chunk)
+        grads = torch.autograd.grad((out.loss * torch.rand(6, 40, generator=torch.Generator().manual_seed(1))).sum()
+                                    + out.aux_loss, list(model.parameters()))
+        return out.loss, grads, [shape for shape in kept if shape[-1:] == (vocab,) and shape.numel() > vocab]
+
+    whole, whole_grads, whole_kept = run(0)
+    chunked, chunked_grads, chunked_kept = run(7)
+    assert whole_kept and not chunked_kept  # unchunked: (240, 300) logits and log-softmax kept; chunked: none
+    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)
+    assert (chunked[labels.roll(-1, 1) == -100] == 0).all()  # a position without a next label: 0, as unchunked
+    for a, b in zip(chunked_grads, whole_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # summed in another order: rounding only
+
+
 def test_the_ratio_and_the_kl_take_the_log_probabilities_of_the_temperature_the_rollouts_were_sampled_at():
     """At --temperature T the rollouts are drawn from softmax(logits / T) (sample_next_token): the policy's and the
     reference's log-probabilities GRPO scores them by are that distribution's, not softmax(logits)'s."""
@@ -202,14 +230,14 @@ def test_the_ratio_and_the_kl_take_the_log_probabilities_of_the_temperature_the_
         return torch.nn.functional.pad(picked, (0, 1))
 
     for temperature in (0.7, 1.0, 1.5):
-        args = SimpleNamespace(num_iterations=2, temperature=temperature)
+        args = SimpleNamespace(num_iterations=2, temperature=temperature, logps_chunk=7)
         [(policy, reference)] = sampling_logps(model, ref_model, rollouts, args, nullcontext())
         assert torch.allclose(policy, drawn_at(model, temperature), atol=1e-5)
         assert torch.allclose(reference, drawn_at(ref_model, temperature), atol=1e-5)
     assert not torch.allclose(drawn_at(model, 1.5), drawn_at(model, 1.0), atol=1e-3)  # T changes them
     # One update: completion_losses takes them itself, at T: the KL it adds up is the one between those two
     watch = torch.zeros(7, dtype=torch.float64)
-    args = SimpleNamespace(beta=0.1, clip_eps=0.2, loss_type="dapo", temperature=1.5)
+    args = SimpleNamespace(beta=0.1, clip_eps=0.2, loss_type="dapo", temperature=1.5, logps_chunk=7)
     completion_losses(model, ref_model, input_ids, labels, torch.ones(4), args, watch)
     difference = drawn_at(ref_model, 1.5) - drawn_at(model, 1.5)
     kl = (torch.exp(difference) - difference - 1) * torch.nn.functional.pad(labels[:, 1:] != -100, (0, 1))

@@ -193,9 +193,9 @@ def test_a_bad_reward_name_and_a_line_without_an_answer_are_one_line_each_with_e
 
 
 @pytest.mark.parametrize("flags, line", [
-    # Before: 9.2 GB allocated, then a traceback after 58 s
-    (["--num_generations", "100000", "--max_completion_len", "8"], r"--num_generations 100000 x --batch_size 4 x "
-     r"--max_seq_len 48: a micro-batch's rollouts, 400,000 completions, need at least [\d,.]+ GiB \(.*\) beside "
+    # Before: 9.2 GB allocated at 100,000, then a traceback after 58 s
+    (["--num_generations", "1000000", "--max_completion_len", "8"], r"--num_generations 1000000 x --batch_size 4 x "
+     r"--max_seq_len 48: a micro-batch's rollouts, 4,000,000 completions, need at least [\d,.]+ GiB \(.*\) beside "
      r"the model's .* GiB, but this machine has .* GiB of memory available; lower --num_generations, --batch_size "
      r"or --max_seq_len$"),
     # Before: every prompt cut to its last token ("\n"), and a run that trained on nothing it was asked, exit 0

@@ -19,7 +19,7 @@ ALL_SCRIPTS = (*SCRIPTS, "train_lora.py", "train_dpo.py", "train_grpo.py", "trai
 # docstrings list what they change from SFT's; GRPO's carries its three loss types and the mu updates of a step.
 # Each also declares `Between`, the bundle of what train_epoch calls between steps, field by field.
 MAX_LINES = {"train_pretrain.py": 280, "train_full_sft.py": 280, "train_lora.py": 300, "train_dpo.py": 328,
-             "train_grpo.py": 363, "train_distillation.py": 316}
+             "train_grpo.py": 366, "train_distillation.py": 316}
 
 
 def common_text(script: str) -> list[str]:

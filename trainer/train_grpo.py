@@ -87,6 +87,7 @@ def parse_args() -> argparse.Namespace:
     a("--beta", type=float, default=0.04, help="weight of the KL to the reference: higher, nearer")  # grpo
     a("--num_generations", type=int, default=4, help="G: completions sampled per prompt, one group")  # grpo
     a("--max_completion_len", type=int, default=64, help="new tokens per rollout, at most (model + tool)")  # grpo
+    a("--logps_chunk", type=int, default=4096, help="positions whose log-softmax is taken at once")  # grpo: x vocab
     a("--max_turns", type=int, default=1, help="model turns per rollout; tools run between them (1: none)")  # grpo
     a("--temperature", type=float, default=1.0, help="sampling temperature of the completions")  # grpo
     a("--clip_eps", type=float, default=0.2,  # grpo: PPO's clip, which acts from a batch's second update on
@@ -138,8 +139,9 @@ def completion_losses(model, ref_model, input_ids, labels, advantages, args, wat
     """GRPO's loss per completion token, weighted (0 elsewhere), the aux loss; adds the KL sum, clipped tokens to
     watch[-2:]. old, ref: pi_old's and the reference's log-probabilities (sampling_logps); None: computed here."""
     T = args.temperature  # the log-probabilities of the distribution the rollouts were sampled from, at T
-    out = model(input_ids, labels=labels, loss_reduction="none", temperature=T)  # out.loss at t: -log p of t + 1
-    ref_logps = -ref_model(input_ids, labels=labels, loss_reduction="none", temperature=T).loss if ref is None else ref
+    out = model(input_ids, labels=labels, loss_reduction="none", temperature=T, chunk_tokens=args.logps_chunk)  # at t:
+    ref_logps = -ref_model(input_ids, labels=labels, loss_reduction="none", temperature=T,  # -log p of t + 1
+                           chunk_tokens=args.logps_chunk).loss if ref is None else ref
     mask = torch.nn.functional.pad(labels[:, 1:] != -100, (0, 1)).float()  # the completion's tokens, as out.loss
     old = -out.loss.detach() if old is None else old  # one update: the sampling policy is this one
     losses, kl, clipped = grpo_loss(-out.loss, old, ref_logps, advantages, args.beta, args.clip_eps, args.loss_type)
@@ -159,9 +161,10 @@ def sampling_logps(model, ref_model, rollouts, args, autocast) -> list:  # grpo
     if args.num_iterations == 1:
         return [(None, None)] * len(rollouts)
     with torch.no_grad(), autocast:
-        return [(-model(input_ids, labels=labels, loss_reduction="none", temperature=args.temperature).loss,
-                 -ref_model(input_ids, labels=labels, loss_reduction="none", temperature=args.temperature).loss)
-                for input_ids, labels, _ in rollouts]
+        return [(-model(input_ids, labels=labels, loss_reduction="none", temperature=args.temperature,
+                        chunk_tokens=args.logps_chunk).loss,
+                 -ref_model(input_ids, labels=labels, loss_reduction="none", temperature=args.temperature,
+                            chunk_tokens=args.logps_chunk).loss) for input_ids, labels, _ in rollouts]
 
 
 def loss_denominator(rollouts, local_tokens: torch.Tensor, loss_type: str) -> torch.Tensor:  # grpo

@@ -85,6 +85,8 @@ RANGES = {
              lambda v: 0 < v < math.inf),
     "num_generations": ("an integer >= 2 (GRPO: a group compares its completions with each other)", lambda v: v >= 2),
     "max_completion_len": ("an integer >= 1 (new tokens per completion)", lambda v: v >= 1),
+    "logps_chunk": ("an integer >= 1 (GRPO: positions whose log-softmax over the vocabulary is taken at once)",
+                    lambda v: v >= 1),
     "max_turns": ("an integer >= 1 (GRPO: model turns per rollout; 1 runs no tool)", lambda v: v >= 1),
     "temperature": ("a finite number > 0 (GRPO samples its completions at it; distillation softens both models' "
                     "distributions with it)", lambda v: 0 < v < math.inf),
@@ -447,19 +449,22 @@ def check_fits_in_memory(config: LMConfig, args: argparse.Namespace) -> None:
 
 def check_rollouts_fit(config: LMConfig, args: argparse.Namespace, model: int, available: int, where: str) -> None:
     """Refuse GRPO rollouts that cannot fit beside the model's `model` bytes: a micro-batch's batch_size x G rows of
-    max_seq_len tokens need, at least, the policy's and the reference's fp32 log-probabilities over the vocabulary
-    (cross-entropy keeps the policy's for the backward) and the KV cache its generation fills (2 bytes a value:
-    bf16). `--num_generations 100000` allocated 9 GB and ended in a traceback after a minute."""
+    max_seq_len tokens need, at least, the KV cache the rollout engine allocates for them (in the autocast dtype on
+    a GPU, float32 on the CPU), a decoding step's fp32 logits and probabilities for every row, and a chunk of
+    --logps_chunk positions' fp32 logits, log-softmax and its gradient over the vocabulary.
+    `--num_generations 100000` allocated 9 GB and ended in a traceback after a minute."""
     rows, head_dim = args.batch_size * args.num_generations, config.hidden_size // config.num_attention_heads
-    per_token = 2 * config.vocab_size * 4 + 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2
-    needed = rows * args.max_seq_len * per_token
+    value_bytes = 2 if torch.device(args.device).type == "cuda" and args.dtype != "float32" else 4
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * value_bytes  # keys, values
+    needed = rows * args.max_seq_len * per_token + (2 * rows + 3 * min(args.logps_chunk, rows * args.max_seq_len)) * \
+        config.vocab_size * 4
     if torch.device(args.device).type != "cuda":  # the ranks of a node share its memory (torchrun's LOCAL_WORLD_SIZE)
         needed *= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if model + needed > available:
         raise ConfigError(f"--num_generations {args.num_generations} x --batch_size {args.batch_size} x "
                           f"--max_seq_len {args.max_seq_len}: a micro-batch's rollouts, {rows:,} completions, need at "
-                          f"least {gib(needed)} (the policy's and the reference's log-probabilities over "
-                          f"{config.vocab_size:,} tokens, the KV cache) beside the model's {gib(model)}, but {where}; "
+                          f"least {gib(needed)} (the KV cache, a step's logits, a chunk of log-probabilities "
+                          f"over {config.vocab_size:,} tokens) beside the model's {gib(model)}, but {where}; "
                           f"lower --num_generations, --batch_size or --max_seq_len")
 
 
