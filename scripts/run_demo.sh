@@ -72,11 +72,8 @@ echo "== 1. demo data (deterministic: rewrites the committed files byte for byte
 python dataset/make_demo_data.py
 python dataset/make_stage_data.py
 
-# Muon for the attention and MLP matrices (AdamW at 2e-3 for the embedding and norms): over the demo's 626 steps it
-# reached AdamW's final validation loss in about two thirds of the steps (docs/speed.md, benchmarks/time_to_loss.py).
-echo "== 2. pretrain (Muon for the hidden matrices)"
+echo "== 2. pretrain"
 python trainer/train_pretrain.py "${SIZE[@]}" --max_seq_len 128 --batch_size 32 --learning_rate 2e-3 \
-    --optimizer muon --muon_learning_rate 4e-3 \
     --epochs "$pretrain_epochs" --log_interval 50 --save_interval 200 --val_data dataset/val_demo.jsonl --eval_interval 200
 stop_if_stopped pretrain_128
 
