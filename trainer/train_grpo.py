@@ -139,9 +139,9 @@ def completion_losses(model, ref_model, input_ids, labels, advantages, args, wat
     """GRPO's loss per completion token, weighted (0 elsewhere), the aux loss; adds the KL sum, clipped tokens to
     watch[-2:]. old, ref: pi_old's and the reference's log-probabilities (sampling_logps); None: computed here."""
     T = args.temperature  # the log-probabilities of the distribution the rollouts were sampled from, at T
-    out = model(input_ids, labels=labels, loss_reduction="none", temperature=T, chunk_tokens=args.logps_chunk)  # at t:
-    ref_logps = -ref_model(input_ids, labels=labels, loss_reduction="none", temperature=T,  # -log p of t + 1
-                           chunk_tokens=args.logps_chunk).loss if ref is None else ref
+    out = model(input_ids, labels=labels, loss_reduction="none", temperature=T, chunk_tokens=args.logps_chunk)
+    ref_logps = -ref_model(input_ids, labels=labels, loss_reduction="none", temperature=T,  # loss at t: -log p of
+                           chunk_tokens=args.logps_chunk).loss if ref is None else ref  # token t + 1, as out.loss
     mask = torch.nn.functional.pad(labels[:, 1:] != -100, (0, 1)).float()  # the completion's tokens, as out.loss
     old = -out.loss.detach() if old is None else old  # one update: the sampling policy is this one
     losses, kl, clipped = grpo_loss(-out.loss, old, ref_logps, advantages, args.beta, args.clip_eps, args.loss_type)
