@@ -9,8 +9,9 @@ file (the whole schedule, warmup and cosine, over them), validated on dataset/va
 machine's load falls on both alike. Reported, per optimizer and LR: the final validation loss; the steps (and
 tokens: steps x batch x max_seq_len) and the wall time until validation first reaches the target, AdamW's mean
 final validation loss. Steps and tokens do not depend on the machine's load; wall time includes each run's start
-(the same for every run) and Muon's own cost (its Newton-Schulz iterations; on CPU in bfloat16, as torch's
-Muon computes them). The raw curves go to --out as JSON.
+(the same for every run) and Muon's own cost (its Newton-Schulz iterations: float32 on a CPU, bfloat16 on a GPU,
+trainer_utils.Muon). The raw curves go to --out as JSON; --table reads one or more such files (runs of AdamW and
+of Muon made apart are tabled together: steps and tokens compare, wall times only from the same machine and load).
 """
 
 from __future__ import annotations
@@ -97,10 +98,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run")
     parser.add_argument("--shape", nargs=argparse.REMAINDER, default=[], help="flags after the demo's shape")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "time_to_loss.json"))
-    parser.add_argument("--table", default=None, help="only print the table of this earlier --out file")
+    parser.add_argument("--table", nargs="+", default=None, help="only print the table of these earlier --out files")
     args = parser.parse_args()
     if args.table:
-        print("\n".join(table(json.loads(Path(args.table).read_text(encoding="utf-8"))["runs"])))
+        print("\n".join(table([run for file in args.table for run in json.loads(Path(file).read_text())["runs"]])))
         return
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -112,8 +113,8 @@ def main() -> None:
             for opt, lr in (run.split(":") for run in args.runs):
                 runs.append(run_once(opt, float(lr), seed, data, args, work))
                 save(args.out, runs)  # after each run: a long measurement stopped early keeps what it measured
-    rows = table(runs)
-    print("\n".join(rows))
+    rows = table(runs) if any(run["optimizer"] == "adamw" for run in runs) else None  # (the target is AdamW's)
+    print("\n".join(rows or ["no AdamW run: --table this file with one of AdamW's for the table"]))
     save(args.out, runs, rows)
 
 

@@ -14,7 +14,7 @@ from conftest import (assert_each_sample_once, assert_states_equal, resume_file,
 from model.model import CausalLM, LMConfig
 from trainer.hardening.optimizer_checks import check_optimizer_flags, muon_matrix_parameters
 from trainer.hardening.resume_checks import ConfigError
-from trainer.trainer_utils import MuonAndAdamW, make_optimizer
+from trainer.trainer_utils import Muon, MuonAndAdamW, make_optimizer, newton_schulz
 
 MUON = ["--optimizer", "muon", "--muon_learning_rate", "4e-3"]
 
@@ -49,20 +49,6 @@ def test_muon_takes_the_projections_adamw_the_embedding_norms_and_router_and_the
     assert [g["lr"] for g in optimizer.muon.param_groups] == [pytest.approx(2e-3)]
 
 
-def newton_schulz(gradient: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """What Muon does to a matrix's update, in float32 (torch's Muon, torch/optim/_muon.py, runs it in bfloat16):
-    five steps of x <- a x + (b x x^T + c (x x^T)^2) x move every singular value of x towards 1 and keep its
-    singular vectors, so the update keeps the gradient's directions but moves the weight as far along each."""
-    a, b, c = 3.4445, -4.7750, 2.0315  # a quintic chosen to pull small singular values up fast (slope a at 0)
-    x = gradient / gradient.norm()  # Frobenius norm >= the largest singular value: every one starts <= 1
-    tall = x.shape[0] > x.shape[1]
-    x = x.T if tall else x  # x x^T: the smaller Gram matrix
-    for _ in range(steps):
-        gram = x @ x.T
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    return x.T if tall else x
-
-
 @pytest.mark.parametrize("shape", [(32, 64), (64, 32)])
 def test_muons_update_is_the_gradient_with_its_singular_values_brought_near_one(shape):
     torch.manual_seed(0)
@@ -73,14 +59,47 @@ def test_muons_update_is_the_gradient_with_its_singular_values_brought_near_one(
     weight = torch.nn.Parameter(torch.zeros(shape))
     weight.grad = gradient.clone()
     # the first step, from zero momentum and without decay: the momentum is a multiple of the gradient
-    torch.optim.Muon([weight], lr=1e-2, weight_decay=0.0, adjust_lr_fn="match_rms_adamw").step()
+    Muon([weight], lr=1e-2, weight_decay=0.0, adjust_lr_fn="match_rms_adamw").step()
     update = -weight.detach() / (1e-2 * 0.2 * max(shape) ** 0.5)  # match_rms_adamw: lr x 0.2 sqrt(max(A, B))
-    torch.testing.assert_close(update, newton_schulz(gradient), atol=0.03, rtol=0)  # bfloat16's rounding
+    torch.testing.assert_close(update, newton_schulz(gradient, 5, torch.float32))  # on a CPU: in float32
     singular = torch.linalg.svdvals(update)
     assert 0.6 < singular.min() and singular.max() < 1.2, singular  # 100x apart in the gradient, < 2x here
     in_the_gradients_basis = left[:, :k].T @ update @ right[:, :k]  # diagonal: the same singular vectors
     off_diagonal = in_the_gradients_basis - torch.diag(in_the_gradients_basis.diagonal())
     assert off_diagonal.abs().max() < 0.03 and 0.6 < in_the_gradients_basis.diagonal().min()
+
+
+def muon_steps(optimizer_class, weights, gradients, **options) -> torch.optim.Optimizer:
+    optimizer = optimizer_class(weights, lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw", **options)
+    for step_gradients in gradients:
+        for weight, gradient in zip(weights, step_gradients):
+            weight.grad = gradient.clone()
+        optimizer.step()
+    return optimizer
+
+
+def test_muons_step_is_torchs_op_for_op_with_newton_schulz_in_float32_on_a_cpu(monkeypatch):
+    torch.manual_seed(0)
+    start = [torch.randn(48, 16), torch.randn(16, 48), torch.randn(32, 32)]
+    gradients = [[torch.randn_like(w) for w in start] for _ in range(3)]  # three steps: momentum, decay, Nesterov
+    for nesterov in (True, False):
+        theirs = [torch.nn.Parameter(w.clone()) for w in start]
+        torchs = muon_steps(torch.optim.Muon, theirs, gradients, nesterov=nesterov)
+        ours = [torch.nn.Parameter(w.clone()) for w in start]
+        with monkeypatch.context() as patch:
+            patch.setattr(Muon, "cpu_dtype", torch.bfloat16)  # Newton-Schulz in torch's dtype: the same bits
+            muon_steps(Muon, ours, gradients, nesterov=nesterov)
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+        in_float32 = [torch.nn.Parameter(w.clone()) for w in start]
+        float32 = muon_steps(Muon, in_float32, gradients, nesterov=nesterov)
+        moved = [(a - w).abs().max().item() for a, w in zip(in_float32, start)]
+        off = [(a - b).abs().max().item() for a, b in zip(in_float32, theirs)]
+        assert all(o < 0.03 * m for o, m in zip(off, moved)), (off, moved)  # bfloat16's rounding, no more
+        assert all(o > 0 for o in off)  # (in float32 indeed)
+        # the same state: a checkpoint of one resumes in the other
+        torchs.load_state_dict(float32.state_dict())
+        assert all(torch.equal(torchs.state[a]["momentum_buffer"], float32.state[b]["momentum_buffer"])
+                   for a, b in zip(theirs, in_float32))
 
 
 def test_muon_lowers_the_loss_and_a_non_finite_gradient_skips_both_optimizers():

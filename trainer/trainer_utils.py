@@ -7,8 +7,8 @@
     4. checkpoints     model_config (the model the flags describe; from a file: hardening/from_weight.py),
                        lm_checkpoint (the commented `_resume.pth` dict; the FP16 out/ file: write_checkpoint_files),
                        load_checkpoint (the newest good one, checked; what another GPU count changes: resume_checks)
-Every number of a step is computed here, in the script or the model's forward: skip trainer/hardening/ at first
-(it times the log line: tok/s, ETA). It changes none, but after a rollback: the LR scale and windows left out."""
+Every number of a step is computed here, in the script or the model's forward; trainer/hardening/ keeps the files
+safe, times the log line, stops runs (after a rollback: the LR's scale, windows left out): skip it at first."""
 
 from __future__ import annotations
 
@@ -27,11 +27,12 @@ from dataset.indexed import PLACEHOLDER_INDEX, IndexedDataset, trained_samples  
 from model.hf import export_hf
 from model.model import CausalLM, LMConfig
 from trainer.hardening import checkpoint_io, resume_checks, sharding
+from trainer.hardening.anomaly_policy import cursor_after, kept_spans, steps_left
 from trainer.hardening.background_save import BackgroundSaver
 from trainer.hardening.flag_checks import check_fits_in_memory
 from trainer.hardening.from_weight import given_sizes
 from trainer.hardening.run_lock import raise_if_lock_lost
-from trainer.hardening.save_on_ranks import gather_rng_states, raise_on_every_rank
+from trainer.hardening.save_on_ranks import gather_rng_states, raise_on_every_rank, restore_rng_state
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -58,7 +59,7 @@ def setup_seed(seed: int) -> None:
 # ---- 2. the step: its LR, what skips it, its numbers -------------------------------------------
 
 def get_lr(progress: float, base_lr: float, warmup_ratio: float) -> float:
-    """LR at `progress` (samples trained / the run's samples): linear warmup, then cosine down to base_lr / 10.
+    """LR at `progress` (the data position the step reaches / the run's): linear warmup, then cosine to base_lr / 10.
     It follows the data, not a step count, so a resume on another GPU count continues the same curve."""
     if warmup_ratio > 0 and progress < warmup_ratio:
         return base_lr * (progress + 1e-8) / warmup_ratio
@@ -104,7 +105,7 @@ def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScale
 
 def make_optimizer(module: torch.nn.Module, args) -> torch.optim.Optimizer:
     """AdamW over `module`'s trainable parameters (fused: one kernel, and it can skip a step on the device), or with
-    --optimizer muon (pretraining, SFT) torch's Muon for the hidden matrices and AdamW for the rest: the embedding
+    --optimizer muon (pretraining, SFT) Muon (below) for the hidden matrices and AdamW for the rest: the embedding
     (= the tied LM head: a lookup table, a row per token), the norms' gains and MoE's router."""
     named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]  # the tied head: once
     on_muon = {id(p) for name, p in named if p.ndim == 2 and name.endswith("_proj.weight")  # q, k, v, o; gate, up,
@@ -113,11 +114,40 @@ def make_optimizer(module: torch.nn.Module, args) -> torch.optim.Optimizer:
                               weight_decay=getattr(args, "weight_decay", 0.01), fused=True)
     if not on_muon:
         return adamw
-    # match_rms_adamw: Muon's update at AdamW's RMS, so its LR is of AdamW's size (the loop: schedule x lr_ratio)
-    muon = torch.optim.Muon([p for _, p in named if id(p) in on_muon], lr=args.muon_learning_rate,
-                            weight_decay=args.muon_weight_decay, adjust_lr_fn="match_rms_adamw")
-    muon.param_groups[0]["lr_ratio"] = args.muon_learning_rate / args.learning_rate
+    muon = Muon([p for _, p in named if id(p) in on_muon], lr=args.muon_learning_rate,
+                weight_decay=args.muon_weight_decay, adjust_lr_fn="match_rms_adamw")  # (Muon.step reads no other)
+    muon.param_groups[0]["lr_ratio"] = args.muon_learning_rate / args.learning_rate  # the loop: schedule x lr_ratio
     return MuonAndAdamW(muon, adamw)
+
+
+class Muon(torch.optim.Muon):
+    """torch's Muon (arguments, state: a "momentum_buffer" a matrix), its step written out to run Newton-Schulz in
+    float32 on a CPU: torch's runs it in bfloat16, which a CPU emulates (15x slower at the demo's shape)."""
+    cpu_dtype = torch.float32
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            for p in [p for p in group["params"] if p.grad is not None]:
+                momentum = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
+                momentum.lerp_(p.grad, 1 - group["momentum"])  # m = 0.95 m + 0.05 g
+                update = p.grad.lerp(momentum, group["momentum"]) if group["nesterov"] else momentum  # 0.05 g + 0.95 m
+                update = newton_schulz(update, group["ns_steps"], self.cpu_dtype if p.is_cpu else torch.bfloat16)
+                p.mul_(1 - group["lr"] * group["weight_decay"])  # match_rms_adamw: the RMS of an update is about
+                p.add_(update, alpha=-group["lr"] * 0.2 * math.sqrt(max(p.shape)))  # AdamW's, so is the LR
+
+
+def newton_schulz(update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
+    """What Muon does to a matrix's update: `steps` times x <- a x + (b x x^T + c (x x^T)^2) x move every singular
+    value of x towards 1 and keep its singular vectors: the update keeps its directions, each moved as far."""
+    a, b, c = 3.4445, -4.7750, 2.0315  # torch's: a quintic chosen to pull small singular values up fast (slope a)
+    tall = update.shape[0] > update.shape[1]  # x x^T: the smaller Gram matrix
+    x = update.to(dtype).T if tall else update.to(dtype)
+    x = x / x.norm().clamp(min=1e-7)  # the Frobenius norm >= the largest singular value: every one starts <= 1
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)  # (as torch's, op for op)
+    return x.T if tall else x
 
 
 class MuonAndAdamW:
@@ -131,7 +161,7 @@ class MuonAndAdamW:
         return self.adamw.param_groups + self.muon.param_groups  # AdamW's first: the checkpoint's "lr"
 
     def step(self) -> None:
-        # optimizer_step's found_inf (1: a gradient not finite) skips AdamW's fused step on the device; torch's Muon
+        # found_inf (optimizer_step; 1: a gradient not finite) skips AdamW's fused step on the device; Muon's step
         # takes none, so the host reads it: with --optimizer muon, one wait for the device a step
         found_inf = self.adamw.found_inf = getattr(self, "found_inf", None)
         self.adamw.step()
@@ -224,34 +254,10 @@ def epoch_order(seed: int, epoch: int, num_samples: int) -> torch.Tensor:
     return torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
 
 
-def kept_spans(samples_consumed: int, num_samples: int, left_out=()) -> list[tuple[int, int]]:
-    """[samples_consumed, num_samples) of the epoch's order less the (start, end) spans a rollback `left_out`."""
-    spans, cursor = [], samples_consumed
-    for start, end in sorted(left_out):
-        if start > cursor:
-            spans.append((cursor, start))
-        cursor = max(cursor, end)
-    return spans + [(cursor, num_samples)] if cursor < num_samples else spans
-
-
-def cursor_after(spans: list[tuple[int, int]], trained: int, num_samples: int) -> int:
-    """The position in the order once `trained` samples of `spans` are trained (all of them: the epoch's end)."""
-    for start, end in spans:
-        if trained < end - start:
-            return start + trained
-        trained -= end - start
-    return num_samples
-
-
-def steps_left(num_samples: int, samples_consumed: int, global_batch: int, left_out=()) -> int:
-    """Optimizer steps still to take in an epoch (the last one may be a short window)."""
-    kept = sum(end - start for start, end in kept_spans(samples_consumed, num_samples, left_out))
-    return math.ceil(kept / global_batch)
-
-
 class SkipBatchSampler(Sampler[list[int]]):
     """This rank's micro-batches for the rest of an epoch, skipping what was trained (sliced, never read), as minimind's
-    does. `left_out` (a rollback's) goes to kept_spans and cursor_after, beside it: with none they change nothing."""
+    does. Windows a rollback `left_out` are cut by anomaly_policy.kept_spans and cursor_after; with none, the spans
+    are [(samples_consumed, len(order))], remaining is order[samples_consumed:], step_end adds (step + 1) x G."""
 
     def __init__(self, order: torch.Tensor, samples_consumed: int, global_batch: int,
                  batch_size: int, rank: int, world_size: int, left_out=()):
@@ -320,15 +326,8 @@ def restore_training_state(state: dict, model: torch.nn.Module, optimizer: torch
         optimizer.load_state_dict(state["optimizer"])
     if state["scaler"] is not None:
         scaler.load_state_dict(state["scaler"])
-    if len(state["rng"]) == world_size:  # this rank's RNGs, as save_on_ranks.capture_rng_state saved them (on
-        rng = state["rng"][rank]  # another world size every rank keeps its fresh seed): the draws without a stop
-        torch.set_rng_state(rng["torch"])
-        if rng["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-        n, py = rng["numpy"], rng["python"]
-        np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
-                             n["cached_gaussian"]))
-        random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss_next"]))
+    if len(state["rng"]) == world_size:  # this rank's RNGs as saved, so it draws what a run never stopped would
+        restore_rng_state(state["rng"][rank])  # (on another world size, each rank keeps its fresh seed)
 
 
 class Position(NamedTuple):
@@ -383,7 +382,7 @@ def lm_checkpoint(lm_config: LMConfig, weight: str, model: torch.nn.Module, opti
             "epoch": position.epoch,
             "samples_consumed": position.samples_consumed,  # the data position: the one number resume trusts
             "global_step": position.global_step,  # optimizer steps since the run began; trackers log against it
-            "world_size": len(rng_states), "lr": optimizer.param_groups[0]["lr"],
+            "world_size": len(rng_states), "lr": optimizer.param_groups[0]["lr"],  # (read by people: get_lr recomputes)
             # Each rank's RNG states ({"torch", "cuda", "numpy", "python"}), in rank order; a resume on the
             "rng": rng_states,  # same world size restores each rank's own (restore_training_state)
             # What resume_checks compares, to refuse a resume that would not continue this run:
@@ -424,8 +423,8 @@ def lm_checkpoint(lm_config: LMConfig, weight: str, model: torch.nn.Module, opti
 
 def write_checkpoint_files(files: checkpoint_io.RunFiles, out_path: Path, copy: dict, info: dict,
                            keep_last: int) -> None:
-    """The writer's job, from the CPU copy of step N: out/{run}.pth, then checkpoints/{run}_history/step_N.pth with
-    a manifest (size, sha256) and `_resume.pth` pointing at it; each torch.save'd to a temp file, fsynced, renamed."""
+    """The writer's job, from the CPU copy of step N: out/{run}.pth, then {run}_history/step_N.pth, its manifest (size,
+    sha256), `_resume.pth` (a hard link to it), `_latest.txt` (its name): each to a temp file, fsynced, renamed."""
     raise_if_lock_lost()  # LockLost if another run took these directories over (run_lock.py): nothing written
     # The out/ file: every weight cast to FP16, half the bytes, for inference and the next stage (the resume file
     # keeps the FP32 masters). Tensors that share storage (the tied embedding and lm_head) stay one tensor.

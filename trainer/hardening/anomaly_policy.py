@@ -1,11 +1,11 @@
 """The anomaly policy, --on_anomaly warn | stop | rollback: what the run does about a bad step. It acts between
 steps, never inside one: the step's math (loss, gradient, clip, update) is the same with or without it, and a
 first reading skips it. Until a rollback it changes no number; after one (--on_anomaly rollback only) the steps
-that follow run at a lower LR, and the window that went wrong is never trained again. The script meets it at
-three places, none of them in the step itself:
+that follow run at the LR x --rollback_lr_factor (1 by default: the same LR), and the window that went wrong is
+never trained again. The script meets it at three places, none of them in the step itself:
 
     policy.lr_scale, policy.left_out_of(epoch)   at the start of train_epoch (and again after a rollback): the
-                                                 LR multiplier (lower after each rollback, --rollback_lr_factor)
+                                                 LR multiplier (x --rollback_lr_factor after each rollback)
                                                  and the windows of the epoch's order that a rollback left out,
                                                  which SkipBatchSampler never hands out
     policy.judge(step, numbers)                  where the host has read step N's numbers (the log line, a
@@ -108,3 +108,31 @@ class AnomalyPolicy:
     def state_dict(self) -> dict:
         """The memory a checkpoint keeps (`anomaly` in `_resume.pth`)."""
         return self.guard.state_dict()
+
+
+# What a rollback leaves out, as the sampler (trainer_utils.SkipBatchSampler) and the step count (total_steps)
+# read it: with nothing left out, [samples_consumed, num_samples) whole.
+
+def kept_spans(samples_consumed: int, num_samples: int, left_out=()) -> list[tuple[int, int]]:
+    """[samples_consumed, num_samples) of the epoch's order less the (start, end) spans a rollback `left_out`."""
+    spans, cursor = [], samples_consumed
+    for start, end in sorted(left_out):
+        if start > cursor:
+            spans.append((cursor, start))
+        cursor = max(cursor, end)
+    return spans + [(cursor, num_samples)] if cursor < num_samples else spans
+
+
+def cursor_after(spans: list[tuple[int, int]], trained: int, num_samples: int) -> int:
+    """The position in the order once `trained` samples of `spans` are trained (all of them: the epoch's end)."""
+    for start, end in spans:
+        if trained < end - start:
+            return start + trained
+        trained -= end - start
+    return num_samples
+
+
+def steps_left(num_samples: int, samples_consumed: int, global_batch: int, left_out=()) -> int:
+    """Optimizer steps still to take in an epoch (the last one may be a short window)."""
+    kept = sum(end - start for start, end in kept_spans(samples_consumed, num_samples, left_out))
+    return math.ceil(kept / global_batch)

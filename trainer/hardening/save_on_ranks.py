@@ -1,7 +1,7 @@
 """Saving on every rank together: what lm_checkpoint (trainer_utils.py) asks of all ranks, before and after.
 
-`gather_rng_states`: every rank's RNG state, in rank order (a resume on the same world size restores
-each rank's own); and whether this run still owns its directories (run_lock.py). `raise_on_every_rank`: a
+`gather_rng_states`: every rank's RNG state, in rank order (a resume on the same world size restores each rank's
+own: `restore_rng_state`); and whether this run still owns its directories (run_lock.py). `raise_on_every_rank`: a
 rank that could not save makes every rank raise, so no rank waits in a collective for a peer that has left.
 """
 
@@ -28,6 +28,16 @@ def capture_rng_state() -> dict:
             "python": {"version": py_version, "state": torch.tensor(py_state, dtype=torch.int64),
                        "gauss_next": py_gauss}}
 
+
+def restore_rng_state(rng: dict) -> None:
+    """Every RNG as capture_rng_state saved it (trainer_utils.restore_training_state, on the same world size)."""
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    n, py = rng["numpy"], rng["python"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss_next"]))
 
 
 def gather_rng_states(global_step: int) -> list[dict]:
