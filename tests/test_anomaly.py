@@ -206,6 +206,16 @@ def test_under_warn_skipped_steps_in_a_row_stop_the_run_and_an_applied_step_star
     assert "weights have not changed since step 4" in reason and "--learning_rate" in reason
 
 
+def test_under_fp16_a_step_the_gradient_scaler_skipped_is_a_skip_without_a_warning_or_a_count():
+    from trainer.hardening.anomaly import AnomalyGuard
+    guard = AnomalyGuard("warn", patience=0, max_rollbacks=3, lr_factor=1.0, max_skipped=2)
+    # GradScaler found an inf gradient and skipped the step (the loss finite): routine, its scale goes down
+    assert [guard.verdict(step, 2.0, float("inf"), False) for step in (1, 2, 3)] == [("skip", "")] * 3
+    assert guard.skipped_in_a_row == 0  # three in a row, max_skipped 2: not a run that stopped training
+    assert guard.verdict(4, float("nan"), float("nan"), False)[0] == "skip"  # a non-finite loss is an anomaly
+    assert guard.skipped_in_a_row == 1
+
+
 def test_a_learning_rate_that_makes_every_step_non_finite_stops_the_run_with_exit_3_and_what_to_try(
         tmp_path, pretrain_data):
     # --learning_rate 1e30 is finite, so the flag check lets it through; step 1 is applied, and every step after it

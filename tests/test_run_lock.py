@@ -295,10 +295,12 @@ def test_stale_temp_files_of_the_run_are_removed_and_nothing_else(files, tmp_pat
             files.history_dir / "step_00000004.dcp.json.partial-node1-123-456.tmp",
             files.history_dir / "step_00000004.json.partial-node1-123-456.tmp",  # an earlier version's manifest
             files.checkpoint_dir / "pretrain_32_resume.pth.partial-node1-123-456.tmp",
-            files.checkpoint_dir / "pretrain_32_latest.txt.tmp", out_dir / "pretrain_32.pth.partial-node2-9-9.tmp"]
+            files.checkpoint_dir / "pretrain_32_latest.txt.tmp", out_dir / "pretrain_32.pth.partial-node2-9-9.tmp",
+            out_dir / "pretrain_32.json.partial-node2-9-9.tmp"]  # the out/ file's sidecar (max_seq_len, tokenizer)
     not_ours = [files.history_dir / "notes.tmp", files.checkpoint_dir / "full_sft_32_resume.pth.partial-n-1-1.tmp",
                 out_dir / "pretrain_32.pth.partial-n-1-1.tmp.bak", out_dir / "mine.tmp",
-                out_dir / "trainer.lock.partial-n-1.tmp", files.checkpoint_dir / "pretrain_32_resume.pth.old.tmp"]
+                out_dir / "trainer.lock.partial-n-1.tmp", files.checkpoint_dir / "pretrain_32_resume.pth.old.tmp",
+                out_dir / "pretrain_32.jsonl.partial-n-1-1.tmp", out_dir / "pretrain_32.txt.partial-n-1-1.tmp"]
     out_dir.mkdir()
     for path in ours + not_ours:
         path.write_bytes(b"x")

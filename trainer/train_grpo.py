@@ -176,10 +176,10 @@ def loss_denominator(rollouts, local_tokens: torch.Tensor, loss_type: str) -> to
 
 
 class Between(NamedTuple):
-    """Called between steps (stop, anomaly, log, validation, save); only a rollback's policy changes step numbers."""
+    """What train_epoch calls between steps (stop, anomaly, log, validation, save): only a rollback changes numbers."""
     stop: StopRequest  # a signal (SIGTERM, Ctrl-C) on any rank, or a failed background save
     stop_at: float  # --max_steps, as the global step to stop after
-    policy: AnomalyPolicy  # each step's verdict; after a rollback only: a lower LR and a window left out
+    policy: AnomalyPolicy  # each step's verdict; after a rollback: LR x --rollback_lr_factor, a window left out
     tracker: Tracker  # the log line, the debug trace, the status and metrics files, tokens/s
     val_ds: Dataset | None  # --val_data's dataset
     saver: BackgroundSaver  # lm_checkpoint's file writes (on a thread with --async_save)
@@ -192,7 +192,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
     n, global_batch, rank, world_size = run.num_samples, run.global_batch, dist_info.rank, dist_info.world_size
     stop, policy, tracker, saver = between.stop, between.policy, between.tracker, between.saver
     epoch, last_step = at.epoch, total_steps(at, n, global_batch, args.epochs, policy.left_out)
-    # The anomaly policy acts here, between steps: after a rollback, a lower LR and the bad window left out
+    # The anomaly policy, after a rollback only: the LR x --rollback_lr_factor (1: as it was), a window left out
     base_lr, left_out = args.learning_rate * policy.lr_scale, policy.left_out_of(epoch)
     sampler = SkipBatchSampler(epoch_order(args.seed, epoch, n), at.samples_consumed, global_batch,
                                args.batch_size, rank, world_size, left_out)
@@ -255,7 +255,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
             verdict = policy.judge(step, numbers)  # anomaly policy: a bad step raises Rollback or AnomalyStop
             tracker.step(step, numbers, verdict)  # its trace line (--save_debug_train_output), tokens/s
         step, numbers = read[-1]  # step N, as the host now knows it: its LR, its loss over the global batch
-        if log_now:  # "epoch 1/2 step 50 (576 to go) loss 3.9120 lr 1.98e-03 grad_norm 0.412 9120 tok/s ETA 0h04m10s"
+        if log_now:  # "epoch 1/2 step 50 (576 to go) loss 3.9120 lr 4.87e-04 grad_norm 0.412 9120 tok/s ETA 0h04m10s"
             tracker.log({"epoch": step.epoch, "samples_consumed": at.samples_consumed, "loss": numbers.loss,
                          "lr": step.lr, "grad_norm": numbers.grad_norm,  # grpo: what a user watches, prompts cut
                          **watched_metrics(watch, args.num_generations, tools=args.max_turns > 1),  # grpo
@@ -304,7 +304,7 @@ def main() -> None:
     state = load_checkpoint(lm_config, args.save_weight, args.checkpoint_dir, run) if resume else None
     model, lm_config = init_model(args, lm_config, log, resume_state=state)  # weights: section 5, --from_weight
     use_cuda, dtype = device.type == "cuda", getattr(torch, args.dtype)
-    # FP32 master weights, bf16 (or fp16 + GradScaler) autocast on CUDA; fsdp: a slice per rank (sharding.py)
+    # FP32 master weights, bf16 (or fp16 + GradScaler, not under fsdp) autocast on CUDA; fsdp: a slice per rank
     model = shard_model(model, device, dtype, args) if args.parallel == "fsdp" else model.to(device)
     ref_model = ref_model.to(device)  # grpo
     optimizer = make_optimizer(model, args)  # AdamW (fused: it can skip a step on the device); --optimizer muon

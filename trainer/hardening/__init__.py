@@ -1,10 +1,14 @@
 """Production hardening: what makes the training loop safe on rented GPUs. Skip it on a first read.
 
-The training scripts and trainer_utils.py call each module here through one name, and no number of a
-step depends on them (trainer_utils.py computes those): the training reads the same without them.
+The training scripts and trainer_utils.py call each module here through one name. No number of a step is
+computed here (the script and trainer_utils.py compute them); what is decided here is around the steps: the
+weights a run starts from (from_weight.py), when it stops, which checkpoint a resume reads, and after a rollback
+(--on_anomaly rollback) the LR's scale and the windows left out. Where the save and the resume go on from
+trainer_utils.py, a learner who wants their files' safety reads checkpoint_io.py next.
 
     checkpoint_io.py       checkpoints: hash manifest, resume link, rotation, fallback to an older one
-    durable_files.py       what checkpoint_io.py builds on: temp file, fsync, rename, hash, weights_only load
+    durable_files.py       what checkpoint_io.py builds on: hash, manifest, weights_only load (the temp file,
+                           fsync and rename: output_paths.py, beside trainer/)
     background_save.py     the copy to CPU memory, then the write in a thread while training goes on
     save_on_ranks.py       lm_checkpoint's save on every rank: RNG states gathered, a failure raised on all
     sharding.py            --parallel fsdp: each rank keeps a slice, and saves it

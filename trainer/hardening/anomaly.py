@@ -7,7 +7,8 @@ without talking:
 
     "apply"     the step is fine (or only worth a warning): its update stands
     "skip"      non-finite under --on_anomaly warn: its update was skipped on the device; keep training,
-                unless --max_skipped_steps steps in a row were skipped: then "stop", as the run no longer trains
+                unless --max_skipped_steps steps in a row were skipped: then "stop", as the run no longer trains;
+                under fp16, a step GradScaler skipped (inf gradients, a finite loss): routine, no warning, no count
     "stop"      --on_anomaly stop: exit non-zero with the reason, before any save holds the step
     "rollback"  --on_anomaly rollback: reload the last good checkpoint (from before the step), and leave
                 this batch window out of the epoch: the steps after the checkpoint train the samples around it
@@ -188,7 +189,7 @@ class AnomalyGuard:
         """(action, reason). `gradients_finite_expected` is False under fp16 GradScaler, where an
         inf gradient is routine (the scaler skips that step and lowers its scale by itself)."""
         if not gradients_finite_expected and math.isfinite(loss) and not math.isfinite(grad_norm):
-            return "apply", ""  # (not counted as skipped: the scaler lowers its scale until the gradients fit)
+            return "skip", ""  # GradScaler skipped it (no warning, not counted: it lowers its scale until they fit)
         reason = self.detector.check(step, loss, grad_norm)
         if self.policy == "warn" and not (math.isfinite(loss) and math.isfinite(grad_norm)):
             return self._skip(step, reason)

@@ -3,7 +3,8 @@
 Layout for a run named R (e.g. `pretrain_512`) in the checkpoint directory:
 
     checkpoints/
-      R_resume.pth              the newest verified state (a hard link to the newest history file)
+      R_resume.pth              a hard link to the newest history file (a resume reads the newest one that
+                                verifies in R_history/, this link only where there is no history)
       R_latest.txt              the name of that history file, written atomically
       R_history/
         step_00000300.pth       verified states, the newest `--keep_last` of them

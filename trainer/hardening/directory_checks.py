@@ -48,7 +48,7 @@ def remove_stale_temp_files(files: RunFiles, out_dir: Path, log: Callable[[str],
     those: a user's file, or another run's, is never touched. Call it holding the directory lock."""
     own_names = [(files.checkpoint_dir, f"{re.escape(files.resume_link.name)}|{re.escape(files.latest_pointer.name)}"),
                  (files.history_dir, r"step_\d{8}\.(?:pth|json|pth\.json|dcp\.json)"),
-                 (Path(out_dir), re.escape(f"{files.name}.pth"))]
+                 (Path(out_dir), f"{re.escape(files.name)}\\.(?:pth|json)")]  # the FP16 weights and their sidecar
     removed = []
     for directory, names in own_names:
         pattern = re.compile(f"^(?:{names}){TEMP_TAIL}$")
