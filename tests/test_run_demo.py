@@ -138,7 +138,8 @@ def demo_environment(tmp_path) -> dict:
 def demo_sized_weights(run_dir, threads: int, **numerics) -> dict:
     """The FP32 weights after 4 pretraining steps of the demo's model on its data, on `threads` threads."""
     args = ["--hidden_size", "128", "--num_hidden_layers", "4", "--num_attention_heads", "4", "--num_key_value_heads",
-            "2", "--max_seq_len", "128", "--batch_size", "32", "--learning_rate", "2e-3", "--max_steps", "4",
+            "2", "--max_seq_len", "128", "--batch_size", "32", "--learning_rate", "2e-3", "--optimizer", "muon",
+            "--muon_learning_rate", "4e-3", "--max_steps", "4",
             "--num_workers", "0", "--device", "cpu", "--data_path", str(REPO / "dataset" / "pretrain_demo.jsonl"),
             "--save_dir", str(run_dir / "out"), "--checkpoint_dir", str(run_dir / "ckpt"),
             "--metrics_dir", str(run_dir / "metrics")]
