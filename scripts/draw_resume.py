@@ -26,7 +26,8 @@ from matplotlib.patches import Patch, Rectangle
 if __package__ in (None, ""):  # run as a file: the repository, not this folder, goes first on the import path
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from trainer.trainer_utils import PLACEHOLDER_INDEX, SkipBatchSampler, epoch_order, resolve_accumulation, steps_left
+from trainer.hardening.anomaly_policy import steps_left
+from trainer.trainer_utils import PLACEHOLDER_INDEX, SkipBatchSampler, epoch_order, resolve_accumulation
 
 RANK_COLOURS = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
 TRAINED_GREY = "#d9d9d9"

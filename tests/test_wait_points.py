@@ -17,7 +17,8 @@ import torch
 
 from conftest import (FAULT_INJECTION_DIR, TINY_MODEL, assert_states_equal, child_env, events_of, launch_command,
                       resume_file, run_args, status_of, trace_of)
-from trainer.trainer_utils import Position, SkipBatchSampler, optimizer_step, steps_left, total_steps
+from trainer.hardening.anomaly_policy import steps_left
+from trainer.trainer_utils import Position, SkipBatchSampler, optimizer_step, total_steps
 
 # (policy flags, world size, extra environment): 14 of the 19 steps; every schedule has fired by then.
 CASES = {
