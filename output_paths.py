@@ -184,7 +184,7 @@ def atomic_write(path: Path, write: Callable[[Any], None],
             writer = _HashingWriter(raw)
             write(writer)
             raw.flush()
-            os.fsync(raw.fileno())  # the bytes must be on disk before the name points at them
+            os.fsync(raw.fileno())  # on disk before the name points at them (a power cut; kill -9: the rename)
         if before_rename is not None:
             before_rename()  # last, right before the name points at the new bytes
         os.replace(tmp, path)

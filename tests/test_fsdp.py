@@ -116,10 +116,10 @@ def test_checkpoints_reshard_two_three_one_and_switch_between_ddp_and_fsdp_exact
     # FSDP 2 -> 3 -> 1 ranks.
     on_three = train("train_pretrain.py", 3, [*common, "--max_steps", "5", "--from_resume", "1"], tmp_path)
     assert ("saved at step 5: training continues from sample 20 of epoch 1 (world size 2 -> 3, global batch 4 -> 6: "
-            "the steps left are counted in the new global batch; exact," in on_three.stdout)
+            "the steps left are counted in the new global batch; the exact data position," in on_three.stdout)
     on_one = train("train_pretrain.py", 1, [*common, "--from_resume", "1"], tmp_path)
     assert ("saved at step 10: training continues from sample 12 of epoch 2 (world size 3 -> 1, global batch 6 -> 2: "
-            "the steps left are counted in the new global batch; exact," in on_one.stdout)
+            "the steps left are counted in the new global batch; the exact data position," in on_one.stdout)
     trace = trace_of(tmp_path)
     sizes = {r["step"]: r["world_size"] for r in trace}
     assert sizes == {s: 2 if s <= 5 else 3 if s <= 10 else 1 for s in range(1, 24)}

@@ -97,7 +97,8 @@ def test_resume_on_two_then_three_then_one_rank_trains_each_sample_once(tmp_path
     on_three = train("train_pretrain.py", 3, [*common, "--max_steps", "5", "--from_resume", "1"], tmp_path)
     # One step numbering: the checkpoint's global step, then the data position and what changed.
     assert ("saved at step 5: training continues from sample 20 of epoch 1 (world size 2 -> 3, global batch 4 -> 6: "
-            "the steps left are counted in the new global batch; exact, RNG reseeded for the new world size)"
+            "the steps left are counted in the new global batch; the exact data position, RNG reseeded for the new "
+            "world size)"
             in on_three.stdout)
     assert how_it_resumed(on_three.stdout) == ("step 5", False)  # what the soak reads from the line
     second = resume_file(tmp_path)
@@ -105,7 +106,7 @@ def test_resume_on_two_then_three_then_one_rank_trains_each_sample_once(tmp_path
     assert (second["world_size"], second["epoch"], second["samples_consumed"]) == (3, 1, 12)
     on_one = train("train_pretrain.py", None, [*common, "--from_resume", "1"], tmp_path)
     assert ("saved at step 10: training continues from sample 12 of epoch 2 (world size 3 -> 1, global batch 6 -> 2: "
-            "the steps left are counted in the new global batch; exact," in on_one.stdout)
+            "the steps left are counted in the new global batch; the exact data position," in on_one.stdout)
 
     trace = trace_of(tmp_path)
     sizes = world_size_by_step(trace)

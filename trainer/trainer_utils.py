@@ -195,7 +195,7 @@ class Step(NamedTuple):  # what the host knows of optimizer step N without askin
 
 
 class StepNumbers(NamedTuple):  # step N's numbers, read from the device (read_on_host)
-    loss: float  # the step's loss: the loss sum of all ranks / the label tokens of the whole global batch
+    loss: float  # the loss sum of all ranks / the label tokens of the whole global batch (MoE: no aux_loss)
     grad_norm: float  # before clipping, of the gradients all ranks share
     loss_sum: float  # this rank's part of the loss sum
     local_tokens: int  # this rank's label tokens

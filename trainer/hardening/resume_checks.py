@@ -188,7 +188,7 @@ def resume_summary(state: dict, world_size: int, global_batch: int) -> str:
         if old_batch != global_batch:
             changes.append(f"global batch {old_batch} -> {global_batch}: the steps left are counted in the new "
                            f"global batch")
-    exact = "the count only: minimind's order differs" if minimind else "exact"
+    exact = "the count only: minimind's order differs" if minimind else "the exact data position"
     rng = "RNG restored" if len(state["rng"]) == world_size else (
         "RNG reseeded" + ("" if minimind else " for the new world size"))
     changed = ", ".join(changes) + "; " if changes else ""
@@ -198,7 +198,8 @@ def resume_summary(state: dict, world_size: int, global_batch: int) -> str:
 
 def gpu_count_rule(old: dict, new: dict) -> tuple[list[str], list[str]]:
     """What a resume on another GPU count may change (`old`, `new`: the checkpoint's train_args and this run's):
-    with --global_batch_size G, any split of the same G continues exactly; without, G moves with the GPUs."""
+    with --global_batch_size G, any split of the same G trains the same steps' samples (summed in another order: not
+    bit for bit); without, G moves with the GPUs."""
     split = [tuple(s[key] for key in ("batch_size", "world_size", "accumulation_steps")) for s in (old, new)]
     g_old, g_new = (s["global_batch_size"] or math.prod(parts) for s, parts in zip((old, new), split))
     fixed = old["global_batch_size"] is not None or new["global_batch_size"] is not None
