@@ -1,4 +1,4 @@
-"""The helper module with the step's math, as minimind's trainer_utils. Read it after the script.
+"""The helper module with the step's math, as minimind's trainer_utils. Read it after the script (trainer/hardening/: later).
 
     1. running         REPO_ROOT, sums over ranks, logger, seeds (joining torchrun: hardening/process_group.py)
     2. the step        get_lr (follows the data), no_sync (gradient sync on the last micro-step), make_optimizer
@@ -7,8 +7,8 @@
     4. checkpoints     model_config (the model the flags describe; from a file: hardening/from_weight.py),
                        lm_checkpoint (the commented `_resume.pth` dict; the FP16 out/ file: write_checkpoint_files),
                        load_checkpoint (the newest good one, checked; what another GPU count changes: resume_checks)
-Every number of a step is computed here, in the script or the model's forward; trainer/hardening/ keeps the files
-safe, times the log line, stops runs (after a rollback: the LR's scale, windows left out): skip it at first."""
+Every number of a step is computed here, in the script or the model's forward (the epoch's order less the windows
+rollbacks left out: hardening/anomaly_policy.py); trainer/hardening/ keeps files safe, times the log, stops runs."""
 
 from __future__ import annotations
 
