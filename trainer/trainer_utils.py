@@ -1,4 +1,4 @@
-"""The helper module with the step's math, as minimind's trainer_utils. Read it after the script (trainer/hardening/: later).
+"""The helper module with the step's math, as minimind's trainer_utils. Read it after the script, hardening/ later.
 
     1. running         REPO_ROOT, sums over ranks, logger, seeds (joining torchrun: hardening/process_group.py)
     2. the step        get_lr (follows the data), no_sync (gradient sync on the last micro-step), make_optimizer
