@@ -17,9 +17,10 @@ SCRIPTS = ("train_pretrain.py", "train_full_sft.py")
 ALL_SCRIPTS = (*SCRIPTS, "train_lora.py", "train_dpo.py", "train_grpo.py", "train_distillation.py")
 # nanoGPT's train.py is about 340 lines; the anomaly policy lives in hardening/anomaly_policy.py. The later stages'
 # docstrings list what they change from SFT's; GRPO's carries its three loss types and the mu updates of a step.
-# Each also declares `Between`, the bundle of what train_epoch calls between steps, field by field.
-MAX_LINES = {"train_pretrain.py": 280, "train_full_sft.py": 280, "train_lora.py": 300, "train_dpo.py": 328,
-             "train_grpo.py": 366, "train_distillation.py": 316}
+# Each also declares `Data` and `Between`, the bundles train_epoch takes (what a step draws its batches from; what
+# it calls between steps), field by field, and builds autocast where the step uses it.
+MAX_LINES = {"train_pretrain.py": 292, "train_full_sft.py": 292, "train_lora.py": 312, "train_dpo.py": 343,
+             "train_grpo.py": 381, "train_distillation.py": 328}
 
 
 def common_text(script: str) -> list[str]:
@@ -115,6 +116,22 @@ def test_a_later_stage_is_train_full_sft_apart_from_its_marked_lines(script, mar
     unlisted = [line for line in dropped if not any(name in line for name in listed)]
     # at most 5 lines, and SFT's 4 optimizer flag lines (--optimizer, the weight decays, Muon's LR): AdamW here
     assert not unlisted and len(dropped) <= 9, f"SFT lines {script} drops, not in its docstring: {unlisted}"
+
+
+def test_train_epoch_takes_what_the_step_needs_and_one_bundle_for_the_rest():
+    """A signature a learner reads at a glance, the same in every stage: the flags, the position, the model, its
+    optimizer and scaler, the data (Data) and what is not the step's math (Between); DPO and GRPO add their frozen
+    reference, distillation its teacher. Each bundle is a NamedTuple declared in the script, field by field."""
+    frozen = {"train_dpo.py": ["ref_model"], "train_grpo.py": ["ref_model"], "train_distillation.py": ["teacher"]}
+    for script in ALL_SCRIPTS:
+        tree = ast.parse((REPO / "trainer" / script).read_text(encoding="utf-8"))
+        functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+        parameters = [a.arg for a in functions["train_epoch"].args.args]
+        assert parameters == ["args", "at", "model", "optimizer", "scaler", "data", "between",
+                              *frozen.get(script, [])], (script, parameters)
+        bundles = {node.name for node in tree.body if isinstance(node, ast.ClassDef)
+                   and any(getattr(base, "id", "") == "NamedTuple" for base in node.bases)}
+        assert {"Data", "Between"} <= bundles, (script, bundles)
 
 
 def test_each_script_writes_out_the_step_the_save_and_the_sampler():

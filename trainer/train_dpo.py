@@ -20,7 +20,6 @@ import argparse
 import math  # dpo
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import NamedTuple
 
@@ -139,6 +138,15 @@ def preference_validation(model, ref_model, dataset, batch_size: int, device, au
     return loss_sum / max(pairs, 1), preferred / max(pairs, 1), int(pairs)
 
 
+class Data(NamedTuple):
+    """What a step draws its batches from and sends them to: the dataset, this rank's share, the device."""
+    dataset: Dataset
+    global_batch: int  # samples per optimizer step, all ranks and micro-steps together
+    rank: int
+    world_size: int
+    device: torch.device  # where the batches go (and, on CUDA, bf16 or fp16 autocast)
+
+
 class Between(NamedTuple):
     """What train_epoch calls between steps (stop, anomaly, log, validation, save): only a rollback changes numbers."""
     stop: StopRequest  # a signal (SIGTERM, Ctrl-C) on any rank, or a failed background save
@@ -147,14 +155,15 @@ class Between(NamedTuple):
     tracker: Tracker  # the log line, the debug trace, the status and metrics files, tokens/s
     val_ds: Dataset | None  # --val_data's dataset
     saver: BackgroundSaver  # lm_checkpoint's file writes (on a thread with --async_save)
+    run: RunSpec  # what a checkpoint records and a resume checks: settings, data fingerprint
     lm_config: LMConfig  # the model's shape, saved beside its weights
 
 
-def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds, run: RunSpec, dist_info,
-                between: Between,  # dpo
+def train_epoch(args, at: Position, model, optimizer, scaler, data: Data, between: Between,  # dpo
                 ref_model: torch.nn.Module) -> tuple[Position, bool]:  # dpo: the frozen reference
     """Train from `at` to the epoch's end (False), a stop, --max_steps or the run's end (True); a rollback raises."""
-    n, global_batch, rank, world_size = run.num_samples, run.global_batch, dist_info.rank, dist_info.world_size
+    train_ds, global_batch, rank, world_size, device = data
+    n = len(train_ds)  # samples in an epoch
     stop, policy, tracker, saver = between.stop, between.policy, between.tracker, between.saver
     epoch, last_step = at.epoch, total_steps(at, n, global_batch, args.epochs, policy.left_out)
     # The anomaly policy, after a rollback only: the LR x --rollback_lr_factor (1: as it was), a window left out
@@ -163,8 +172,11 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
                                args.batch_size, rank, world_size, left_out)
     # Its own generator: iter() draws a seed from the global RNG, which a resumed run would then not match.
     batches = iter(DataLoader(IndexedDataset(train_ds), batch_sampler=sampler, num_workers=args.num_workers,
-                              pin_memory=dist_info.device.type == "cuda", worker_init_fn=loader_worker_ignores_stops,
+                              pin_memory=device.type == "cuda", worker_init_fn=loader_worker_ignores_stops,
                               generator=torch.Generator().manual_seed(args.seed * 1_000_003 + epoch)))
+    # On CUDA the matmuls run in bf16 (or fp16, with the scaler) over the FP32 weights; the CPU trains in float32
+    autocast = torch.autocast(device.type, dtype=getattr(torch, args.dtype),
+                              enabled=device.type == "cuda" and args.dtype != "float32")
     taken = []  # the steps not yet read by the host: (Step, its numbers, still on the device)
     for s in range(sampler.num_steps()):
         # ---- step N: the next global batch, split over ranks and micro-steps -------------------------
@@ -172,17 +184,17 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
         end = sampler.step_end(s)  # the data position once this step is taken
         # The LR at the position this step reaches, so the first step already trains.
         lr = get_lr((epoch * n + end) / (args.epochs * n), base_lr, args.warmup_ratio)
-        on_device = [(x.to(dist_info.device, non_blocking=True), y.to(dist_info.device, non_blocking=True))
+        on_device = [(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
                      for _, x, y in micro_batches]
         # The loss is a sum over pairs divided by the real pairs in the WHOLE global batch  # dpo
         # (all ranks, all micro-steps), so the gradient does not depend on how the batch is split (MoE aside: below).
         local_pairs = sum(real_pairs(y).sum() for _, y in on_device).double()  # dpo
         global_pairs = sum_over_ranks(local_pairs.clone())  # dpo
         loss_scale = world_size / global_pairs.clamp(min=1.0)  # dpo: x world_size, as DDP averages over ranks
-        loss_sum = torch.zeros((), dtype=torch.float64, device=dist_info.device)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         for i, (input_ids, labels) in enumerate(on_device):
             # Only the last micro-step all-reduces the gradients; the others just accumulate.
-            with no_sync(model, accumulate_only=i < len(on_device) - 1):
+            with no_sync(model, accumulate_only=(i < len(on_device) - 1)):
                 with autocast:
                     losses, _, aux_loss = pair_losses(model, ref_model, input_ids, labels, args.beta)  # dpo
                     loss = losses.sum() * loss_scale + aux_loss / len(on_device)  # dpo: MoE's, per micro-batch
@@ -197,8 +209,9 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
         optimizer.zero_grad(set_to_none=True)
         # Step N's loss: loss_sum, added over the ranks, / global_pairs (read_on_host divides).  # dpo
         # Its numbers stay on the device until the host reads them below: `.item()` would make the host wait.
-        taken.append((Step(at.global_step + 1, epoch, at.samples_consumed, end, lr,
-                           *trained_samples(micro_batches)),  # (its sample indices, its input tokens)
+        samples, input_tokens = trained_samples(micro_batches)  # this rank's sample indices, its input tokens
+        taken.append((Step(number=at.global_step + 1, epoch=epoch, start=at.samples_consumed, end=end, lr=lr,
+                           samples=samples, input_tokens=input_tokens),
                       [loss_sum, local_pairs, global_pairs, grad_norm]))  # dpo
         at = at.after(end, n)  # a step skipped on the device too: its samples count as consumed
         tracker.step_taken(at.global_step)  # the first prints "first step done": a sign of life on a slow machine
@@ -216,18 +229,18 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
             verdict = policy.judge(step, numbers)  # anomaly policy: a bad step raises Rollback or AnomalyStop
             tracker.step(step, numbers, verdict)  # its trace line (--save_debug_train_output), tokens/s
         step, numbers = read[-1]  # step N, as the host now knows it: its LR, its loss over the global batch
-        if log_now:  # "epoch 1/2 step 50 (576 to go) loss 3.9120 lr 4.87e-04 grad_norm 0.412 9120 tok/s ETA 0h04m10s"
+        if log_now:  # "epoch 1/2 step 50 (576 to go) loss 3.9120 lr {lr:.2e} grad_norm 0.412 9120 tok/s ETA 0h04m10s"
             tracker.log({"epoch": step.epoch, "samples_consumed": at.samples_consumed, "loss": numbers.loss,
                          "lr": step.lr, "grad_norm": numbers.grad_norm,  # dpo: and this step's pairs that train nothing
                          "pairs_beyond_max_seq_len": train_ds.count_beyond(sampler.step_window(s))},  # dpo
                         at.global_step, last_step)
         if validate:  # dpo: the DPO loss over all of --val_data's pairs (eval mode, no grad), and their accuracy
             tracker.preference_validation(at.global_step, *preference_validation(  # dpo: the DPO validation_loss(
-                unwrap(model), ref_model, between.val_ds, args.batch_size, dist_info.device, autocast,  # dpo
+                unwrap(model), ref_model, between.val_ds, args.batch_size, device, autocast,  # dpo
                 args.beta))  # dpo
         if save_now:
             started = time.perf_counter()
-            kept = lm_checkpoint(between.lm_config, args.save_weight, model, optimizer, position=at, run=run,
+            kept = lm_checkpoint(between.lm_config, args.save_weight, model, optimizer, position=at, run=between.run,
                                  save_dir=args.save_dir, checkpoint_dir=args.checkpoint_dir, scaler=scaler,
                                  anomaly_state=policy.state_dict(), trackers=tracker.runs, saver=saver)
             tracker.saved(at.global_step, kept, time.perf_counter() - started, saver.pop_blocked())  # blocked, by part
@@ -253,6 +266,7 @@ def main() -> None:
     n = len(train_ds)
     accumulation, global_batch = resolve_accumulation(args.batch_size, world_size, args.accumulation_steps,
                                                       args.global_batch_size)
+    data = Data(train_ds, global_batch, rank, world_size, device)  # what train_epoch draws each step from
     # The reference: --from_weight's model, frozen; the checkpoint names its file by hash (a resume compares it)  # dpo
     ref_model, base_identity = frozen_model(args, model_config(args, tokenizer.get_vocab_size()), log)  # dpo
     run = RunSpec({**resume_settings(args, accumulation, world_size), **base_identity},  # dpo
@@ -269,7 +283,6 @@ def main() -> None:
     model = shard_model(model, device, dtype, args) if args.parallel == "fsdp" else model.to(device)
     ref_model = shard_model(ref_model, device, dtype, args) if args.parallel == "fsdp" else ref_model.to(device)  # dpo
     optimizer = make_optimizer(model, args)  # AdamW (fused: it can skip a step on the device); --optimizer muon
-    autocast = torch.autocast("cuda", dtype=dtype) if use_cuda and dtype != torch.float32 else nullcontext()
     scaler = torch.amp.GradScaler("cuda", enabled=use_cuda and dtype == torch.float16)
 
     # ---- 5. Resume: weights, optimizer, RNG and the data position (load_checkpoint checked the rest)
@@ -303,9 +316,8 @@ def main() -> None:
     with tracker, saver:  # on an error: the save in flight completes and the status file says "failed"
         while at.epoch < args.epochs and not stopped:
             try:
-                at, stopped = train_epoch(args, at, model, optimizer, scaler, autocast, train_ds, run, dist_info,
-                                          Between(stop, stop_at, policy, tracker, val_ds, saver, lm_config),  # dpo
-                                          ref_model)  # dpo
+                between = Between(stop, stop_at, policy, tracker, val_ds, saver, run, lm_config)
+                at, stopped = train_epoch(args, at, model, optimizer, scaler, data, between, ref_model)  # dpo
             except Rollback as rollback:  # back to the newest checkpoint; the bad window is left out from now on
                 optimizer.zero_grad(set_to_none=True)
                 finish_saves(saver)  # the newest checkpoint must be complete before we look for it

@@ -16,7 +16,6 @@ What changes from train_full_sft.py: the lines marked `# grpo`; gone: `--system_
 import argparse
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import NamedTuple
 
@@ -175,6 +174,15 @@ def loss_denominator(rollouts, local_tokens: torch.Tensor, loss_type: str) -> to
     return sum((labels[:, 1:] != -100).any(dim=1).sum() for _, labels, _ in rollouts).double()
 
 
+class Data(NamedTuple):
+    """What a step draws its batches from and sends them to: the dataset, this rank's share, the device."""
+    dataset: Dataset
+    global_batch: int  # samples per optimizer step, all ranks and micro-steps together
+    rank: int
+    world_size: int
+    device: torch.device  # where the batches go (and, on CUDA, bf16 or fp16 autocast)
+
+
 class Between(NamedTuple):
     """What train_epoch calls between steps (stop, anomaly, log, validation, save): only a rollback changes numbers."""
     stop: StopRequest  # a signal (SIGTERM, Ctrl-C) on any rank, or a failed background save
@@ -183,13 +191,15 @@ class Between(NamedTuple):
     tracker: Tracker  # the log line, the debug trace, the status and metrics files, tokens/s
     val_ds: Dataset | None  # --val_data's dataset
     saver: BackgroundSaver  # lm_checkpoint's file writes (on a thread with --async_save)
+    run: RunSpec  # what a checkpoint records and a resume checks: settings, data fingerprint
     lm_config: LMConfig  # the model's shape, saved beside its weights
 
 
-def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds, run: RunSpec, dist_info,
-                between: Between, ref_model) -> tuple[Position, bool]:  # grpo: + the frozen reference
+def train_epoch(args, at: Position, model, optimizer, scaler, data: Data, between: Between,  # grpo
+                ref_model: torch.nn.Module) -> tuple[Position, bool]:  # grpo: the frozen reference
     """Train from `at` to the epoch's end (False), a stop, --max_steps or the run's end (True); a rollback raises."""
-    n, global_batch, rank, world_size = run.num_samples, run.global_batch, dist_info.rank, dist_info.world_size
+    train_ds, global_batch, rank, world_size, device = data
+    n = len(train_ds)  # samples in an epoch
     stop, policy, tracker, saver = between.stop, between.policy, between.tracker, between.saver
     epoch, last_step = at.epoch, total_steps(at, n, global_batch, args.epochs, policy.left_out)
     # The anomaly policy, after a rollback only: the LR x --rollback_lr_factor (1: as it was), a window left out
@@ -198,8 +208,11 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
                                args.batch_size, rank, world_size, left_out)
     # Its own generator: iter() draws a seed from the global RNG, which a resumed run would then not match.
     batches = iter(DataLoader(IndexedDataset(train_ds), batch_sampler=sampler, num_workers=args.num_workers,
-                              pin_memory=dist_info.device.type == "cuda", worker_init_fn=loader_worker_ignores_stops,
+                              pin_memory=device.type == "cuda", worker_init_fn=loader_worker_ignores_stops,
                               generator=torch.Generator().manual_seed(args.seed * 1_000_003 + epoch)))
+    # On CUDA the matmuls run in bf16 (or fp16, with the scaler) over the FP32 weights; the CPU trains in float32
+    autocast = torch.autocast(device.type, dtype=getattr(torch, args.dtype),
+                              enabled=device.type == "cuda" and args.dtype != "float32")
     taken = []  # the steps not yet read by the host: (Step, its numbers, still on the device)
     for s in range(sampler.num_steps()):
         # ---- step N: the next global batch, split over ranks and micro-steps -------------------------
@@ -208,17 +221,17 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
         # The LR at the position this step reaches, so the first step already trains.
         lr = get_lr((epoch * n + end) / (args.epochs * n), base_lr, args.warmup_ratio)
         on_device, local_tokens, watch = step_rollouts(  # grpo: the rollouts sampled, their token count, metrics
-            unwrap(model), micro_batches, train_ds, args, epoch, autocast, dist_info.device)  # grpo
+            unwrap(model), micro_batches, train_ds, args, epoch, autocast, device)  # grpo
         # The loss is a sum over completion tokens divided by those of the WHOLE global batch (grpo: its  # grpo
         # completions; all ranks, all micro-steps), so the gradient does not depend on how the batch is split.  # grpo
         global_tokens = sum_over_ranks(loss_denominator(on_device, local_tokens, args.loss_type))  # grpo
         loss_scale = world_size / global_tokens.clamp(min=1.0)  # x world_size: DDP averages over ranks
-        loss_sum = torch.zeros((), dtype=torch.float64, device=dist_info.device)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         before, norms = sampling_logps(unwrap(model), ref_model, on_device, args, autocast), []  # grpo: pi_old, ref
         for _ in range(args.num_iterations):  # grpo: mu updates on these rollouts; pi moves away from pi_old
             for i, rollout in enumerate(on_device):  # grpo: (input_ids, labels, advantages)
                 # Only the last micro-step all-reduces the gradients; the others just accumulate.  # grpo
-                with no_sync(model, accumulate_only=i < len(on_device) - 1):  # grpo
+                with no_sync(model, accumulate_only=(i < len(on_device) - 1)):  # grpo
                     with autocast:  # grpo
                         losses, aux_loss = completion_losses(model, ref_model, *rollout, args, watch,  # grpo
                                                              *before[i])  # grpo: pi_old's, the reference's
@@ -235,8 +248,9 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
         watch[-2:] /= args.num_iterations  # grpo: the KL and clip_fraction over all mu updates' tokens
         # Step N's loss: its first number, added over the ranks, / global_tokens (read_on_host divides).  # grpo
         # Its numbers stay on the device until the host reads them below: `.item()` would make the host wait.
-        taken.append((Step(at.global_step + 1, epoch, at.samples_consumed, end, lr,
-                           *trained_samples(micro_batches)),  # (its sample indices, its input tokens)
+        samples, input_tokens = trained_samples(micro_batches)  # this rank's sample indices, its input tokens
+        taken.append((Step(number=at.global_step + 1, epoch=epoch, start=at.samples_consumed, end=end, lr=lr,
+                           samples=samples, input_tokens=input_tokens),
                       [loss_sum / args.num_iterations, local_tokens, global_tokens,  # grpo: the mean update's loss,
                        torch.stack(norms).max()]))  # grpo: the largest grad norm (NaN if any: the guard sees it)
         at = at.after(end, n)  # a step skipped on the device too: its samples count as consumed
@@ -255,7 +269,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
             verdict = policy.judge(step, numbers)  # anomaly policy: a bad step raises Rollback or AnomalyStop
             tracker.step(step, numbers, verdict)  # its trace line (--save_debug_train_output), tokens/s
         step, numbers = read[-1]  # step N, as the host now knows it: its LR, its loss over the global batch
-        if log_now:  # "epoch 1/2 step 50 (576 to go) loss 3.9120 lr 4.87e-04 grad_norm 0.412 9120 tok/s ETA 0h04m10s"
+        if log_now:  # "epoch 1/2 step 50 (576 to go) loss 3.9120 lr {lr:.2e} grad_norm 0.412 9120 tok/s ETA 0h04m10s"
             tracker.log({"epoch": step.epoch, "samples_consumed": at.samples_consumed, "loss": numbers.loss,
                          "lr": step.lr, "grad_norm": numbers.grad_norm,  # grpo: what a user watches, prompts cut
                          **watched_metrics(watch, args.num_generations, tools=args.max_turns > 1),  # grpo
@@ -263,10 +277,10 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
                         at.global_step, last_step)
         if validate:  # the mean loss per token over all of --val_data (eval mode, no grad), and its bits per byte
             tracker.validation(at.global_step, validation_loss(unwrap(model), between.val_ds, args.batch_size,
-                                                               dist_info.device, autocast))
+                                                               device, autocast))
         if save_now:
             started = time.perf_counter()
-            kept = lm_checkpoint(between.lm_config, args.save_weight, model, optimizer, position=at, run=run,
+            kept = lm_checkpoint(between.lm_config, args.save_weight, model, optimizer, position=at, run=between.run,
                                  save_dir=args.save_dir, checkpoint_dir=args.checkpoint_dir, scaler=scaler,
                                  anomaly_state=policy.state_dict(), trackers=tracker.runs, saver=saver)
             tracker.saved(at.global_step, kept, time.perf_counter() - started, saver.pop_blocked())  # blocked, by part
@@ -293,6 +307,7 @@ def main() -> None:
     n = len(train_ds)
     accumulation, global_batch = resolve_accumulation(args.batch_size, world_size, args.accumulation_steps,
                                                       args.global_batch_size)
+    data = Data(train_ds, global_batch, rank, world_size, device)  # what train_epoch draws each step from
     ref_model, base_identity = frozen_model(args, model_config(args, tokenizer.get_vocab_size()), log)  # grpo: frozen
     run = RunSpec({**resume_settings(args, accumulation, world_size), **base_identity},  # grpo
                   data_fingerprint(train_ds.source), n, global_batch, given_sizes(args), args.resume_path)  # grpo
@@ -308,7 +323,6 @@ def main() -> None:
     model = shard_model(model, device, dtype, args) if args.parallel == "fsdp" else model.to(device)
     ref_model = ref_model.to(device)  # grpo
     optimizer = make_optimizer(model, args)  # AdamW (fused: it can skip a step on the device); --optimizer muon
-    autocast = torch.autocast("cuda", dtype=dtype) if use_cuda and dtype != torch.float32 else nullcontext()
     scaler = torch.amp.GradScaler("cuda", enabled=use_cuda and dtype == torch.float16)
 
     # ---- 5. Resume: weights, optimizer, RNG and the data position (load_checkpoint checked the rest)
@@ -341,9 +355,8 @@ def main() -> None:
     with tracker, saver:  # on an error: the save in flight completes and the status file says "failed"
         while at.epoch < args.epochs and not stopped:
             try:
-                at, stopped = train_epoch(args, at, model, optimizer, scaler, autocast, train_ds, run, dist_info,
-                                          Between(stop, stop_at, policy, tracker, val_ds, saver, lm_config),  # grpo
-                                          ref_model)  # grpo
+                between = Between(stop, stop_at, policy, tracker, val_ds, saver, run, lm_config)
+                at, stopped = train_epoch(args, at, model, optimizer, scaler, data, between, ref_model)  # grpo
             except Rollback as rollback:  # back to the newest checkpoint; the bad window is left out from now on
                 optimizer.zero_grad(set_to_none=True)
                 finish_saves(saver)  # the newest checkpoint must be complete before we look for it

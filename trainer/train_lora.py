@@ -29,7 +29,6 @@ lines marked `# lora` are new or changed, and these lines of train_full_sft.py a
 import argparse
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import NamedTuple
 
@@ -107,6 +106,15 @@ def parse_args() -> argparse.Namespace:
     return check_flags(parser.parse_args())  # every value in its range, every path of its kind (exit 2)
 
 
+class Data(NamedTuple):
+    """What a step draws its batches from and sends them to: the dataset, this rank's share, the device."""
+    dataset: Dataset
+    global_batch: int  # samples per optimizer step, all ranks and micro-steps together
+    rank: int
+    world_size: int
+    device: torch.device  # where the batches go (and, on CUDA, bf16 or fp16 autocast)
+
+
 class Between(NamedTuple):
     """What train_epoch calls between steps (stop, anomaly, log, validation, save): only a rollback changes numbers."""
     stop: StopRequest  # a signal (SIGTERM, Ctrl-C) on any rank, or a failed background save
@@ -115,13 +123,14 @@ class Between(NamedTuple):
     tracker: Tracker  # the log line, the debug trace, the status and metrics files, tokens/s
     val_ds: Dataset | None  # --val_data's dataset
     saver: BackgroundSaver  # lm_checkpoint's file writes (on a thread with --async_save)
+    run: RunSpec  # what a checkpoint records and a resume checks: settings, data fingerprint
     lm_config: LMConfig  # the model's shape, saved beside its weights
 
 
-def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds, run: RunSpec, dist_info,
-                between: Between) -> tuple[Position, bool]:
+def train_epoch(args, at: Position, model, optimizer, scaler, data: Data, between: Between) -> tuple[Position, bool]:
     """Train from `at` to the epoch's end (False), a stop, --max_steps or the run's end (True); a rollback raises."""
-    n, global_batch, rank, world_size = run.num_samples, run.global_batch, dist_info.rank, dist_info.world_size
+    train_ds, global_batch, rank, world_size, device = data
+    n = len(train_ds)  # samples in an epoch
     stop, policy, tracker, saver = between.stop, between.policy, between.tracker, between.saver
     epoch, last_step = at.epoch, total_steps(at, n, global_batch, args.epochs, policy.left_out)
     # The anomaly policy, after a rollback only: the LR x --rollback_lr_factor (1: as it was), a window left out
@@ -131,8 +140,11 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
     train_ds.set_epoch(epoch)  # stage: the augmentations are drawn per (seed, epoch, sample)
     # Its own generator: iter() draws a seed from the global RNG, which a resumed run would then not match.
     batches = iter(DataLoader(IndexedDataset(train_ds), batch_sampler=sampler, num_workers=args.num_workers,
-                              pin_memory=dist_info.device.type == "cuda", worker_init_fn=loader_worker_ignores_stops,
+                              pin_memory=device.type == "cuda", worker_init_fn=loader_worker_ignores_stops,
                               generator=torch.Generator().manual_seed(args.seed * 1_000_003 + epoch)))
+    # On CUDA the matmuls run in bf16 (or fp16, with the scaler) over the FP32 weights; the CPU trains in float32
+    autocast = torch.autocast(device.type, dtype=getattr(torch, args.dtype),
+                              enabled=device.type == "cuda" and args.dtype != "float32")
     taken = []  # the steps not yet read by the host: (Step, its numbers, still on the device)
     for s in range(sampler.num_steps()):
         # ---- step N: the next global batch, split over ranks and micro-steps -------------------------
@@ -140,17 +152,17 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
         end = sampler.step_end(s)  # the data position once this step is taken
         # The LR at the position this step reaches, so the first step already trains.
         lr = get_lr((epoch * n + end) / (args.epochs * n), base_lr, args.warmup_ratio)
-        on_device = [(x.to(dist_info.device, non_blocking=True), y.to(dist_info.device, non_blocking=True))
+        on_device = [(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
                      for _, x, y in micro_batches]
         # The loss is a sum over tokens divided by the tokens with a label in the WHOLE global batch
         # (all ranks, all micro-steps), so the gradient does not depend on how the batch is split (MoE aside: below).
         local_tokens = sum((y[:, 1:] != -100).sum() for _, y in on_device).double()
         global_tokens = sum_over_ranks(local_tokens.clone())
         loss_scale = world_size / global_tokens.clamp(min=1.0)  # x world_size: DDP averages over ranks
-        loss_sum = torch.zeros((), dtype=torch.float64, device=dist_info.device)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         for i, (input_ids, labels) in enumerate(on_device):
             # Only the last micro-step all-reduces the gradients; the others just accumulate.
-            with no_sync(model, accumulate_only=i < len(on_device) - 1):
+            with no_sync(model, accumulate_only=(i < len(on_device) - 1)):
                 with autocast:
                     out = model(input_ids, labels=labels, loss_reduction="sum")
                     loss = out.loss * loss_scale + out.aux_loss / len(on_device)  # MoE balance: a micro-batch mean
@@ -165,8 +177,9 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
         optimizer.zero_grad(set_to_none=True)
         # Step N's loss: loss_sum, added over the ranks, / global_tokens (read_on_host divides).
         # Its numbers stay on the device until the host reads them below: `.item()` would make the host wait.
-        taken.append((Step(at.global_step + 1, epoch, at.samples_consumed, end, lr,
-                           *trained_samples(micro_batches)),  # (its sample indices, its input tokens)
+        samples, input_tokens = trained_samples(micro_batches)  # this rank's sample indices, its input tokens
+        taken.append((Step(number=at.global_step + 1, epoch=epoch, start=at.samples_consumed, end=end, lr=lr,
+                           samples=samples, input_tokens=input_tokens),
                       [loss_sum, local_tokens, global_tokens, grad_norm]))
         at = at.after(end, n)  # a step skipped on the device too: its samples count as consumed
         tracker.step_taken(at.global_step)  # the first prints "first step done": a sign of life on a slow machine
@@ -184,17 +197,17 @@ def train_epoch(args, at: Position, model, optimizer, scaler, autocast, train_ds
             verdict = policy.judge(step, numbers)  # anomaly policy: a bad step raises Rollback or AnomalyStop
             tracker.step(step, numbers, verdict)  # its trace line (--save_debug_train_output), tokens/s
         step, numbers = read[-1]  # step N, as the host now knows it: its LR, its loss over the global batch
-        if log_now:  # "epoch 1/2 step 50 (576 to go) loss 3.9120 lr 4.87e-04 grad_norm 0.412 9120 tok/s ETA 0h04m10s"
+        if log_now:  # "epoch 1/2 step 50 (576 to go) loss 3.9120 lr {lr:.2e} grad_norm 0.412 9120 tok/s ETA 0h04m10s"
             tracker.log({"epoch": step.epoch, "samples_consumed": at.samples_consumed, "loss": numbers.loss,
                          "lr": step.lr, "grad_norm": numbers.grad_norm},
                         at.global_step, last_step)
         if validate:  # the mean loss per token over all of --val_data (eval mode, no grad), and its bits per byte
             tracker.validation(at.global_step, validation_loss(unwrap(model), between.val_ds, args.batch_size,
-                                                               dist_info.device, autocast))
+                                                               device, autocast))
         if save_now:
             started = time.perf_counter()
             kept = lm_checkpoint(between.lm_config, args.save_weight, adapter_of(unwrap(model)), optimizer,  # lora
-                                 position=at, run=run,  # lora
+                                 position=at, run=between.run,  # lora
                                  save_dir=args.save_dir, checkpoint_dir=args.checkpoint_dir, scaler=scaler,
                                  anomaly_state=policy.state_dict(), trackers=tracker.runs, saver=saver)
             tracker.saved(at.global_step, kept, time.perf_counter() - started, saver.pop_blocked())  # blocked, by part
@@ -222,6 +235,7 @@ def main() -> None:
     n = len(train_ds)
     accumulation, global_batch = resolve_accumulation(args.batch_size, world_size, args.accumulation_steps,
                                                       args.global_batch_size)
+    data = Data(train_ds, global_batch, rank, world_size, device)  # what train_epoch draws each step from
     run = RunSpec(resume_settings(args, accumulation, world_size), data_fingerprint(train_ds.source), n,
                   global_batch, given_sizes(args), args.resume_path)
 
@@ -238,7 +252,6 @@ def main() -> None:
     # FP32 master weights, bf16 (or fp16 + GradScaler, not under fsdp) autocast on CUDA; fsdp: a slice per rank
     model = shard_model(model, device, dtype, args) if args.parallel == "fsdp" else model.to(device)
     optimizer = make_optimizer(adapter, args)  # lora: AdamW over the adapters alone
-    autocast = torch.autocast("cuda", dtype=dtype) if use_cuda and dtype != torch.float32 else nullcontext()
     scaler = torch.amp.GradScaler("cuda", enabled=use_cuda and dtype == torch.float16)
 
     # ---- 5. Resume: weights, optimizer, RNG and the data position (load_checkpoint checked the rest)
@@ -273,8 +286,8 @@ def main() -> None:
     with tracker, saver:  # on an error: the save in flight completes and the status file says "failed"
         while at.epoch < args.epochs and not stopped:
             try:
-                at, stopped = train_epoch(args, at, model, optimizer, scaler, autocast, train_ds, run, dist_info,
-                                          Between(stop, stop_at, policy, tracker, val_ds, saver, lm_config))
+                between = Between(stop, stop_at, policy, tracker, val_ds, saver, run, lm_config)
+                at, stopped = train_epoch(args, at, model, optimizer, scaler, data, between)
             except Rollback as rollback:  # back to the newest checkpoint; the bad window is left out from now on
                 optimizer.zero_grad(set_to_none=True)
                 finish_saves(saver)  # the newest checkpoint must be complete before we look for it

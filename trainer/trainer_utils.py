@@ -424,7 +424,8 @@ def lm_checkpoint(lm_config: LMConfig, weight: str, model: torch.nn.Module, opti
 def write_checkpoint_files(files: checkpoint_io.RunFiles, out_path: Path, copy: dict, info: dict,
                            keep_last: int) -> None:
     """The writer's job, from the CPU copy of step N: out/{run}.pth, then {run}_history/step_N.pth, its manifest (size,
-    sha256), `_resume.pth` (a hard link to it), `_latest.txt` (its name): each to a temp file, fsynced, renamed."""
+    sha256), `_resume.pth` (a hard link to it), `_latest.txt` (its name): each to a temp file, fsynced, renamed
+    (output_paths.atomic_write: what a kill -9 cannot tear; checkpoint_io.save_verified: the history and the link)."""
     raise_if_lock_lost()  # LockLost if another run took these directories over (run_lock.py): nothing written
     # The out/ file: every weight cast to FP16, half the bytes, for inference and the next stage (the resume file
     # keeps the FP32 masters). Tensors that share storage (the tied embedding and lm_head) stay one tensor.
