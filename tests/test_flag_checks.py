@@ -43,6 +43,8 @@ BAD_FLAGS = [
     ("pretrain", ["--batch_size", "-4"], "--batch_size -4: must be an integer >= 1"),
     ("pretrain", ["--accumulation_steps", "0"], "--accumulation_steps 0: must be an integer >= 1"),
     ("pretrain", ["--global_batch_size", "0"], "--global_batch_size 0: must be an integer >= 1"),
+    ("pretrain", ["--accumulation_steps", "2", "--global_batch_size", "8"],
+     "--accumulation_steps 2 with --global_batch_size 8: the global batch derives the accumulation"),
     ("pretrain", ["--epochs", "0"], "--epochs 0: must be an integer >= 1"),
     ("pretrain", ["--save_interval", "0"], "--save_interval 0: must be an integer >= 1"),
     ("pretrain", ["--log_interval", "0"], "--log_interval 0: must be an integer >= 1"),

@@ -11,7 +11,7 @@ from random weights by default (--from_weight names a file). Run it from a plain
     ... --from_resume 1                                             # continue, also on another GPU count
     ... --parallel fsdp                                             # the teacher is sharded too
 
-Writes out/distill_{hidden}.pth and checkpoints/ (the teacher named by its hash: a resume refuses a changed one).
+Writes out/distill_{hidden}[_moe].pth and checkpoints/ (the teacher named by its hash: a resume refuses a changed one).
 A teacher whose out/*.json records another tokenizer than --tokenizer_path is refused. The logged loss is the
 distillation loss, with its parts per token, ce and kl; validation (--val_data) is the student's CE, as in SFT.
 What changes from train_full_sft.py: the lines marked `# distill`; gone: the `--optimizer`, `--weight_decay`, `--muon_`
@@ -66,7 +66,7 @@ def parse_args() -> argparse.Namespace:
     a("--from_resume", type=int, default=0, choices=(0, 1), help="1: continue from the newest good checkpoint")
     a("--epochs", type=int, default=2)  # stage
     a("--batch_size", type=int, default=32, help="micro-batch per rank")
-    a("--accumulation_steps", type=int, default=1)
+    a("--accumulation_steps", type=int, default=1, help="micro-batches per optimizer step (or --global_batch_size)")
     a("--global_batch_size", type=int, default=None,
       help="samples per optimizer step; derives accumulation_steps and keeps steps identical on any GPU count")
     a("--learning_rate", type=float, default=5e-4)  # distill: a student from random weights
@@ -206,13 +206,13 @@ def train_epoch(args, at: Position, model, optimizer, scaler, data: Data, betwee
         validate = between.val_ds is not None and (at.global_step % args.eval_interval == 0 or last)
         save_now = at.global_step % args.save_interval == 0 or at.samples_consumed == 0 or last
         if not (log_now or validate or save_now):
-            continue  # no wait for the device: step N+1 is queued behind step N
+            continue  # no wait for the device: step N+1 is queued behind N (MoE's routing and Muon wait each step)
         read, taken = read_on_host(taken), []  # the wait, as minimind's loss.item(): all steps since the last
         for step, numbers in read:
             verdict = policy.judge(step, numbers)  # anomaly policy: a bad step raises Rollback or AnomalyStop
             tracker.step(step, numbers, verdict)  # its trace line (--save_debug_train_output), tokens/s
         step, numbers = read[-1]  # step N, as the host now knows it: its LR, its loss over the global batch
-        if log_now:  # "epoch 1/2 step 50 (576 to go) loss 3.9120 lr {lr:.2e} grad_norm 0.412 9120 tok/s ETA 0h04m10s"
+        if log_now:  # one line: epoch, step, steps to go, loss, lr, grad_norm, tokens/s, ETA (tracking.py: the format)
             tracker.log({"epoch": step.epoch, "samples_consumed": at.samples_consumed, "loss": numbers.loss,
                          "lr": step.lr, "grad_norm": numbers.grad_norm,  # distill: and the loss's two parts
                          **loss_parts(ce_kl, local_tokens)},  # distill: the last step's, per token as the loss

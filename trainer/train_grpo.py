@@ -6,7 +6,7 @@ the loss per token: PPO's clipped policy gradient + beta x KL to the frozen refe
 hash as DPO's), over the global batch's completion tokens (--loss_type: TRL's dapo; grpo, cispo). A step samples
 one batch of rollouts and trains --num_iterations (mu) updates on it, the ratio pi / pi_old moving from the second
 on; a save, a stop and the log fall between steps only, so a resume is exact with nothing of the rollouts saved.
-Writes out/grpo_{hidden}.pth. Run it as SFT's script:
+Writes out/grpo_{hidden}[_moe].pth. Run it as SFT's script:
     python trainer/train_grpo.py  |  torchrun --nproc_per_node 2 trainer/train_grpo.py  |  ... --from_resume 1
 --max_turns N > 1: the tools a prompt offers run between N model turns, results masked (dataset/tool_rollouts.py).
 What changes from train_full_sft.py: the lines marked `# grpo`; gone: `--system_prompt_ratio`,
@@ -61,7 +61,7 @@ def parse_args() -> argparse.Namespace:
     a("--from_resume", type=int, default=0, choices=(0, 1), help="1: continue from the newest good checkpoint")
     a("--epochs", type=int, default=1)  # grpo
     a("--batch_size", type=int, default=4, help="prompts per micro-batch per rank (each sampled G times)")  # grpo
-    a("--accumulation_steps", type=int, default=1)
+    a("--accumulation_steps", type=int, default=1, help="micro-batches per optimizer step (or --global_batch_size)")
     a("--global_batch_size", type=int, default=None,
       help="samples per optimizer step; derives accumulation_steps and keeps steps identical on any GPU count")
     a("--learning_rate", type=float, default=1e-6)  # grpo: small, as GRPO moves a model already trained
@@ -263,13 +263,13 @@ def train_epoch(args, at: Position, model, optimizer, scaler, data: Data, betwee
         validate = between.val_ds is not None and (at.global_step % args.eval_interval == 0 or last)
         save_now = at.global_step % args.save_interval == 0 or at.samples_consumed == 0 or last
         if not (log_now or validate or save_now):
-            continue  # no wait for the device: step N+1 is queued behind step N
+            continue  # no wait for the device: step N+1 is queued behind N (MoE's routing and Muon wait each step)
         read, taken = read_on_host(taken), []  # the wait, as minimind's loss.item(): all steps since the last
         for step, numbers in read:
             verdict = policy.judge(step, numbers)  # anomaly policy: a bad step raises Rollback or AnomalyStop
             tracker.step(step, numbers, verdict)  # its trace line (--save_debug_train_output), tokens/s
         step, numbers = read[-1]  # step N, as the host now knows it: its LR, its loss over the global batch
-        if log_now:  # "epoch 1/2 step 50 (576 to go) loss 3.9120 lr {lr:.2e} grad_norm 0.412 9120 tok/s ETA 0h04m10s"
+        if log_now:  # one line: epoch, step, steps to go, loss, lr, grad_norm, tokens/s, ETA (tracking.py: the format)
             tracker.log({"epoch": step.epoch, "samples_consumed": at.samples_consumed, "loss": numbers.loss,
                          "lr": step.lr, "grad_norm": numbers.grad_norm,  # grpo: what a user watches, prompts cut
                          **watched_metrics(watch, args.num_generations, tools=args.max_turns > 1),  # grpo

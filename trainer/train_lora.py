@@ -10,9 +10,10 @@ by default (a missing file is an error). Run it from a plain clone:
     ... --lora_name medical --data_path dataset/medical.jsonl       # another domain, another adapter
     python eval_model.py --weight full_sft --lora demo              # talk to the base model + adapter
 
-Writes out/lora_{name}_{hidden}.pth, the adapter alone in FP16, with out/lora_{name}_{hidden}.json (rank, α,
-targets, the base file and its SHA-256), and checkpoints/lora_{name}_{hidden}_resume.pth: the adapter's FP32
-weights, their AdamW state, RNG and data position; never the frozen base, which a resume finds by its hash.
+Writes out/lora_{name}_{hidden}.pth ([_moe] after {hidden} under MoE), the adapter alone in FP16, with
+out/lora_{name}_{hidden}.json (rank, α, targets, the base file and its SHA-256), and
+checkpoints/lora_{name}_{hidden}_resume.pth: the adapter's FP32 weights, their AdamW state, RNG and data position;
+never the frozen base, which a resume finds by its hash.
 scripts/export_hf.py --merge_lora adds an adapter into exported weights, --peft_adapter writes a PEFT folder.
 
 What changes from train_full_sft.py (tests/test_script_shape.py holds the rest equal, line for line): the
@@ -74,7 +75,7 @@ def parse_args() -> argparse.Namespace:
     a("--from_resume", type=int, default=0, choices=(0, 1), help="1: continue from the newest good checkpoint")
     a("--epochs", type=int, default=2)  # stage
     a("--batch_size", type=int, default=32, help="micro-batch per rank")
-    a("--accumulation_steps", type=int, default=1)
+    a("--accumulation_steps", type=int, default=1, help="micro-batches per optimizer step (or --global_batch_size)")
     a("--global_batch_size", type=int, default=None,
       help="samples per optimizer step; derives accumulation_steps and keeps steps identical on any GPU count")
     a("--learning_rate", type=float, default=1e-4)  # lora
@@ -191,13 +192,13 @@ def train_epoch(args, at: Position, model, optimizer, scaler, data: Data, betwee
         validate = between.val_ds is not None and (at.global_step % args.eval_interval == 0 or last)
         save_now = at.global_step % args.save_interval == 0 or at.samples_consumed == 0 or last
         if not (log_now or validate or save_now):
-            continue  # no wait for the device: step N+1 is queued behind step N
+            continue  # no wait for the device: step N+1 is queued behind N (MoE's routing and Muon wait each step)
         read, taken = read_on_host(taken), []  # the wait, as minimind's loss.item(): all steps since the last
         for step, numbers in read:
             verdict = policy.judge(step, numbers)  # anomaly policy: a bad step raises Rollback or AnomalyStop
             tracker.step(step, numbers, verdict)  # its trace line (--save_debug_train_output), tokens/s
         step, numbers = read[-1]  # step N, as the host now knows it: its LR, its loss over the global batch
-        if log_now:  # "epoch 1/2 step 50 (576 to go) loss 3.9120 lr {lr:.2e} grad_norm 0.412 9120 tok/s ETA 0h04m10s"
+        if log_now:  # one line: epoch, step, steps to go, loss, lr, grad_norm, tokens/s, ETA (tracking.py: the format)
             tracker.log({"epoch": step.epoch, "samples_consumed": at.samples_consumed, "loss": numbers.loss,
                          "lr": step.lr, "grad_norm": numbers.grad_norm},
                         at.global_step, last_step)

@@ -9,7 +9,7 @@ Run it from a plain clone, from any directory:
     ... --from_resume 1                                             # continue, also on another GPU count
     ... --parallel fsdp                                             # each GPU keeps a slice: bigger models
 
-Writes out/pretrain_{hidden}.pth (FP16, for inference and SFT) and checkpoints/ (the resume state).
+Writes out/pretrain_{hidden}[_moe].pth (FP16, for inference and SFT) and checkpoints/ (the resume state).
 The whole training is in this file, in numbered sections; trainer/trainer_utils.py holds what it
 calls (the sampler, the LR, lm_checkpoint). train_full_sft.py is this file with the lines marked
 `# stage` changed, and a test holds the two to that.
@@ -62,7 +62,7 @@ def parse_args() -> argparse.Namespace:
     a("--from_resume", type=int, default=0, choices=(0, 1), help="1: continue from the newest good checkpoint")
     a("--epochs", type=int, default=1)  # stage
     a("--batch_size", type=int, default=32, help="micro-batch per rank")
-    a("--accumulation_steps", type=int, default=1)
+    a("--accumulation_steps", type=int, default=1, help="micro-batches per optimizer step (or --global_batch_size)")
     a("--global_batch_size", type=int, default=None,
       help="samples per optimizer step; derives accumulation_steps and keeps steps identical on any GPU count")
     a("--learning_rate", type=float, default=5e-4)  # stage
@@ -178,13 +178,13 @@ def train_epoch(args, at: Position, model, optimizer, scaler, data: Data, betwee
         validate = between.val_ds is not None and (at.global_step % args.eval_interval == 0 or last)
         save_now = at.global_step % args.save_interval == 0 or at.samples_consumed == 0 or last
         if not (log_now or validate or save_now):
-            continue  # no wait for the device: step N+1 is queued behind step N
+            continue  # no wait for the device: step N+1 is queued behind N (MoE's routing and Muon wait each step)
         read, taken = read_on_host(taken), []  # the wait, as minimind's loss.item(): all steps since the last
         for step, numbers in read:
             verdict = policy.judge(step, numbers)  # anomaly policy: a bad step raises Rollback or AnomalyStop
             tracker.step(step, numbers, verdict)  # its trace line (--save_debug_train_output), tokens/s
         step, numbers = read[-1]  # step N, as the host now knows it: its LR, its loss over the global batch
-        if log_now:  # "epoch 1/2 step 50 (576 to go) loss 3.9120 lr {lr:.2e} grad_norm 0.412 9120 tok/s ETA 0h04m10s"
+        if log_now:  # one line: epoch, step, steps to go, loss, lr, grad_norm, tokens/s, ETA (tracking.py: the format)
             tracker.log({"epoch": step.epoch, "samples_consumed": at.samples_consumed, "loss": numbers.loss,
                          "lr": step.lr, "grad_norm": numbers.grad_norm},
                         at.global_step, last_step)

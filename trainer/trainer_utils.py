@@ -209,8 +209,8 @@ def read_on_host(taken: list[tuple[Step, list[torch.Tensor]]]) -> list[tuple[Ste
     steps = [step for step, _ in taken]
     local = torch.stack([torch.stack([loss_sum, local_tokens, global_tokens, sharding.whole(grad_norm).double()])
                          for _, (loss_sum, local_tokens, global_tokens, grad_norm) in taken])
-    shared = torch.stack([local[:, 0], torch.tensor([float(s.input_tokens) for s in steps], dtype=torch.float64,
-                                                    device=local.device)], dim=1)  # this rank's loss sum, inputs
+    inputs = torch.tensor([float(s.input_tokens) for s in steps], dtype=torch.float64)  # known on the host, sent to
+    shared = torch.stack([local[:, 0], inputs.to(local.device, non_blocking=True)], dim=1)  # the device with no wait
     if dist.is_initialized():
         gathered = [torch.empty_like(shared) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, shared)
@@ -250,7 +250,7 @@ def resolve_accumulation(batch_size: int, world_size: int, accumulation_steps: i
 
 
 def epoch_order(seed: int, epoch: int, num_samples: int) -> torch.Tensor:
-    """The permutation of sample indices for one epoch; depends only on (seed, epoch, num_samples)."""
+    """The permutation of sample indices for one epoch: the same for (seed, epoch, num_samples) under one torch."""
     return torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
 
 
@@ -408,9 +408,9 @@ def lm_checkpoint(lm_config: LMConfig, weight: str, model: torch.nn.Module, opti
                 kept = sharding.save_sharded(files, state, model, optimizer, out_path, saver.keep_last, info, saver,
                                              saver.gather_weights)
             else:
-                # The save holds step N: copy = `state` with each tensor .to("cpu", copy=True), taken now, before the
-                # next optimizer step can change a weight (on a GPU: a side stream the next step waits for, on the
-                # device); write_checkpoint_files then runs now, or with --async_save on a thread as training goes on.
+                # The save holds step N: copy = `state` with each tensor copied to the CPU before the next optimizer
+                # step can change a weight (on a GPU: into reused pinned buffers, on a side stream the next step waits
+                # for on the device); write_checkpoint_files then runs now, or with --async_save on a thread.
                 copy = saver.copy(state)  # (first waits for the save before, if it is still being written)
                 saver.write(write_checkpoint_files, files, out_path, copy, info, saver.keep_last)
         except Exception as caught:  # re-raised below, after telling the other ranks to stop too

@@ -14,7 +14,8 @@ Layout for a run named R (e.g. `pretrain_512`) in the checkpoint directory:
         failed_verification/    files that failed their manifest check or to load, with their
                                 manifests: moved here and logged, never counted, never deleted
 
-A save never touches a good file: it writes a new history file and its manifest atomically (a temp name of
+A save never touches a good checkpoint (out/{run}.pth, written first, may be a step newer than the newest
+one after a failed save): it writes a new history file and its manifest atomically (a temp name of
 its own, `NAME.partial-HOST-PID-TID.tmp`; fsync, rename, fsync of the directory), hashing while writing, and
 only then moves the resume link and the latest pointer and rotates, keeping the newest `keep_last` that
 verify. A crash leaves the previous checkpoint intact; a failed save removes its own files. Resume takes the

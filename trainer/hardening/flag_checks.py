@@ -112,6 +112,10 @@ def check_flags(args: argparse.Namespace) -> argparse.Namespace:
         value = getattr(args, flag, None)
         if value is not None and not ok(value):
             raise ConfigError(f"--{flag} {value}: must be {allowed}")
+    if args.global_batch_size is not None and args.accumulation_steps != 1:  # one would silently lose to the other
+        raise ConfigError(f"--accumulation_steps {args.accumulation_steps} with --global_batch_size "
+                          f"{args.global_batch_size}: the global batch derives the accumulation (global batch / "
+                          f"(batch_size x ranks)); give one of the two")
     if getattr(args, "lora_name", None) is not None:  # trainer/train_lora.py
         check_lora_flags(args)
     if getattr(args, "num_generations", None) is not None:  # trainer/train_grpo.py
