@@ -204,7 +204,7 @@ def test_a_placeholder_pair_adds_nothing_to_the_loss_or_the_gradient(tmp_path, t
     policy, reference = CausalLM(LMConfig(vocab_size=tokenizer.get_vocab_size(), **TINY)), None
     reference = CausalLM(LMConfig(vocab_size=tokenizer.get_vocab_size(), **TINY)).requires_grad_(False)
     input_ids, labels = (torch.stack(column) for column in zip(*(dataset[i] for i in range(3))))
-    placeholder = torch.full_like(labels[:1], IGNORE_INDEX)  # trainer_utils.IndexedDataset's placeholder row
+    placeholder = torch.full_like(labels[:1], IGNORE_INDEX)  # dataset/indexed.py's IndexedDataset placeholder row
 
     gradients = []
     with_placeholder = (torch.cat([input_ids, input_ids[:1]]), torch.cat([labels, placeholder]))

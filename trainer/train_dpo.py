@@ -12,8 +12,8 @@ out/full_sft_{hidden}.pth by default: the policy's start and the reference are t
     ... --parallel fsdp                                             # the reference model is sharded too
 
 Writes out/dpo_{hidden}[_moe].pth and checkpoints/ (the reference named by its hash: a resume refuses a changed one).
-What changes from train_full_sft.py: the lines marked `# dpo`; SFT's two augmentation flags and `set_epoch` are gone,
-and the `--optimizer`, `--weight_decay`, `--muon_` flags (DPO trains with AdamW).
+What changes from train_full_sft.py: the lines marked `# dpo` (`SFTDataset` is DPODataset's); SFT's two augmentation
+flags and `set_epoch` are gone, and the `--optimizer`, `--weight_decay`, `--muon_` flags (DPO trains with AdamW).
 """
 
 import argparse
@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
 from dataset.dpo_dataset import DPODataset  # dpo
+from dataset.indexed import IndexedDataset, trained_samples  # the loader's (index, x, y) rows
 from model.model import LMConfig
 from model.tokenizer import load_tokenizer
 from trainer.hardening.anomaly import install_debug_injection
@@ -48,11 +49,11 @@ from trainer.hardening.run_lock import claim_run_directories
 from trainer.hardening.sharding import shard_model
 from trainer.hardening.stopping import StopRequest, end_of_run, loader_worker_ignores_stops
 from trainer.hardening.tracking import Tracker, flops_per_token  # dpo: (its own validation, below)
-from trainer.trainer_utils import (REPO_ROOT, IndexedDataset, Position, RunSpec, SkipBatchSampler, Step, epoch_order,
+from trainer.trainer_utils import (REPO_ROOT, Position, RunSpec, SkipBatchSampler, Step, epoch_order,
                                    get_lr, lm_checkpoint, load_checkpoint, make_optimizer,
                                    model_config, no_sync, optimizer_step, rank0_logger, read_on_host,
                                    resolve_accumulation, restore_training_state, run_name, setup_seed,
-                                   sum_over_ranks, total_steps, trained_samples, unwrap)
+                                   sum_over_ranks, total_steps, unwrap)
 
 
 def parse_args() -> argparse.Namespace:

@@ -28,6 +28,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
+from dataset.indexed import IndexedDataset, trained_samples  # the loader's (index, x, y) rows
 from dataset.lm_dataset import PackedPretrainDataset, PretrainDataset  # stage
 from model.model import LMConfig
 from model.tokenizer import load_tokenizer
@@ -44,11 +45,11 @@ from trainer.hardening.run_lock import claim_run_directories
 from trainer.hardening.sharding import shard_model
 from trainer.hardening.stopping import StopRequest, end_of_run, loader_worker_ignores_stops
 from trainer.hardening.tracking import Tracker, flops_per_token, validation_loss
-from trainer.trainer_utils import (REPO_ROOT, IndexedDataset, Position, RunSpec, SkipBatchSampler, Step, epoch_order,
+from trainer.trainer_utils import (REPO_ROOT, Position, RunSpec, SkipBatchSampler, Step, epoch_order,
                                    get_lr, lm_checkpoint, load_checkpoint, make_optimizer,
                                    model_config, no_sync, optimizer_step, rank0_logger, read_on_host,
                                    resolve_accumulation, restore_training_state, run_name, setup_seed,
-                                   sum_over_ranks, total_steps, trained_samples, unwrap)
+                                   sum_over_ranks, total_steps, unwrap)
 
 
 def parse_args() -> argparse.Namespace:

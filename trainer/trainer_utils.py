@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from dataset.indexed import PLACEHOLDER_INDEX, IndexedDataset, trained_samples  # noqa: F401 (the scripts' loader)
+from dataset.indexed import PLACEHOLDER_INDEX
 from model.hf import export_hf
 from model.model import CausalLM, LMConfig
 from trainer.hardening import checkpoint_io, resume_checks, sharding
@@ -221,20 +221,17 @@ def read_on_host(taken: list[tuple[Step, list[torch.Tensor]]]) -> list[tuple[Ste
 
 
 # ---- 3. data order -----------------------------------------------------------------------------
-#
 # The whole data position of a run is one number: `samples_consumed`, how many samples of the
 # current epoch's permutation all ranks together have trained on. Everything else is derived:
-#
 #     order     = epoch_order(seed, epoch, len(dataset))      # same for python and torchrun
 #     remaining = order[samples_consumed:]                    # a view: skipping costs O(1)
 #     step s    = remaining[s*G : (s+1)*G]                    # G = the global batch
 #     rank r    = step[r::world_size]                         # interleaved share, no overlap
 #
 # A run stopped after k full steps has consumed k*G more samples (fewer where a rollback left a window out), and a
-# run resumed on another world size continues at that cursor. The last step of an epoch may be
-# short; every rank still runs the same number of micro-steps (DDP needs that), and a rank without
-# data in a slot gets a placeholder row, its labels all ignored: nothing in the next-token loss or its gradient
-# (under MoE its tokens are still routed: they count in the balance loss, aux_loss).
+# run resumed on another world size continues at that cursor. The last step of an epoch may be short; every rank
+# still runs the same number of micro-steps (DDP needs that), and a rank without data in a slot gets a placeholder
+# row, labels all ignored: nothing in the next-token loss or its gradient (under MoE it is routed: in aux_loss).
 
 def resolve_accumulation(batch_size: int, world_size: int, accumulation_steps: int,
                          global_batch_size: int | None) -> tuple[int, int]:
@@ -256,8 +253,7 @@ def epoch_order(seed: int, epoch: int, num_samples: int) -> torch.Tensor:
 
 class SkipBatchSampler(Sampler[list[int]]):
     """This rank's micro-batches for the rest of an epoch, skipping what was trained (sliced, never read), as minimind's
-    does. Windows a rollback `left_out` are cut by anomaly_policy.kept_spans and cursor_after; with none, the spans
-    are [(samples_consumed, len(order))], remaining is order[samples_consumed:], step_end adds (step + 1) x G."""
+    does. After a rollback only, the windows it `left_out` are cut out too (hardening/anomaly_policy.py)."""
 
     def __init__(self, order: torch.Tensor, samples_consumed: int, global_batch: int,
                  batch_size: int, rank: int, world_size: int, left_out=()):
@@ -265,9 +261,11 @@ class SkipBatchSampler(Sampler[list[int]]):
             raise ValueError(f"global batch {global_batch} % (batch_size x world_size {batch_size * world_size}) != 0")
         if not 0 <= samples_consumed <= len(order):
             raise ValueError(f"samples_consumed {samples_consumed} is outside the epoch of {len(order)} samples")
-        self.spans, self.num_samples = kept_spans(samples_consumed, len(order), left_out), len(order)
-        pieces = [order[start:end] for start, end in self.spans] or [order[:0]]  # one span, as a rule: a view,
-        self.remaining = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # order[samples_consumed:]
+        self.start, self.num_samples, self.spans = samples_consumed, len(order), None
+        self.remaining = order[samples_consumed:]  # a view: skipping what was trained costs nothing
+        if left_out:  # the order less the windows: its kept spans, joined (step_end maps a cursor back through them)
+            self.spans = kept_spans(samples_consumed, len(order), left_out)
+            self.remaining = torch.cat([order[start:end] for start, end in self.spans] or [order[:0]])
         self.global_batch, self.batch_size, self.rank, self.world_size = global_batch, batch_size, rank, world_size
 
     def num_steps(self) -> int:
@@ -278,8 +276,10 @@ class SkipBatchSampler(Sampler[list[int]]):
         return self.remaining[step * self.global_batch:(step + 1) * self.global_batch]
 
     def step_end(self, step: int) -> int:
-        """The cursor once step `step` is taken: samples_consumed + (step + 1) x global_batch, or the epoch's end."""
-        return cursor_after(self.spans, (step + 1) * self.global_batch, self.num_samples)
+        """The data position once step `step` is taken: samples_consumed + (step + 1) x G, or the epoch's end."""
+        if self.spans is not None:  # past the windows a rollback left out
+            return cursor_after(self.spans, (step + 1) * self.global_batch, self.num_samples)
+        return min(self.start + (step + 1) * self.global_batch, self.num_samples)
 
     def micro_steps_per_step(self, step: int) -> int:
         # Rank 0 has the longest share of a short window, so its count is the one all ranks use.
