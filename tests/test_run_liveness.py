@@ -68,7 +68,7 @@ def test_heartbeat_moves_while_a_slow_step_has_not_finished_and_the_first_step_a
     assert (status["pid"], status["host"]) == (job.pid, socket.gethostname())
     assert status["lock_file"] == str((tmp_path / "ckpt").resolve() / LOCK_NAME)
 
-    assert "first step done after " in output and "s (step 1; a log line every 1 steps)" in output
+    assert "first step taken after " in output and "s (step 1; a log line every 1 steps)" in output
     for step in (1, 2):  # --async_save 1 is the default: the write goes on after training continues
         kept = tmp_path / "ckpt" / "pretrain_32_history" / f"step_{step:08d}.pth"
         assert f"saved step {step} to {kept}: training blocked " in output, output[-4000:]

@@ -47,7 +47,7 @@ def test_sigterm_to_torchrun_and_workers_twice_is_one_stop_whose_save_completes_
     files = RunFiles(tmp_path / "ckpt", "pretrain_32")
     trace = tmp_path / "trace.jsonl"
     rank0_log = tmp_path / "rank0.log"  # (the trace is written at log lines and saves: none before the stop)
-    wait_until(lambda: rank0_log.exists() and "first step done" in rank0_log.read_text(), job)
+    wait_until(lambda: rank0_log.exists() and "first step taken" in rank0_log.read_text(), job)
     time.sleep(0.4)  # two more steps of 0.2 s
     workers = [pid for recorder in child_pids(job.pid) for pid in child_pids(recorder)]
     assert len(workers) == 2, "expected one worker under each of the two recorders"
@@ -127,7 +127,7 @@ def test_one_ctrl_c_stops_the_demo_after_pretraining_saves(tmp_path):
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(demo.stdout), daemon=True)
     reader.start()
-    wait_until(lambda: any(line.startswith("first step done") for line in lines), demo)  # pretraining trains
+    wait_until(lambda: any(line.startswith("first step taken") for line in lines), demo)  # pretraining trains
     os.killpg(demo.pid, signal.SIGINT)  # Ctrl-C at a terminal: the whole foreground process group
     try:
         demo.wait(timeout=120)

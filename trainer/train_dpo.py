@@ -187,8 +187,8 @@ def train_epoch(args, at: Position, model, optimizer, scaler, data: Data, betwee
         lr = get_lr((epoch * n + end) / (args.epochs * n), base_lr, args.warmup_ratio)
         on_device = [(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
                      for _, x, y in micro_batches]
-        # The loss is a sum over pairs divided by the real pairs in the WHOLE global batch  # dpo
-        # (all ranks, all micro-steps), so the gradient does not depend on how the batch is split (MoE aside: below).
+        # The loss is a sum over pairs divided by the real pairs in the WHOLE global batch (all ranks, all  # dpo
+        # micro-steps), so the gradient does not depend on the batch's split (but for rounding; MoE aside: below).
         local_pairs = sum(real_pairs(y).sum() for _, y in on_device).double()  # dpo
         global_pairs = sum_over_ranks(local_pairs.clone())  # dpo
         loss_scale = world_size / global_pairs.clamp(min=1.0)  # dpo: x world_size, as DDP averages over ranks
@@ -215,7 +215,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, data: Data, betwee
                            samples=samples, input_tokens=input_tokens),
                       [loss_sum, local_pairs, global_pairs, grad_norm]))  # dpo
         at = at.after(end, n)  # a step skipped on the device too: its samples count as consumed
-        tracker.step_taken(at.global_step)  # the first prints "first step done": a sign of life on a slow machine
+        tracker.step_taken(at.global_step)  # the first prints "first step taken": a sign of life on a slow machine
         # ---- step N's log line, validation and save, at their intervals: nothing here changes step N ---------
         # The stop vote changes no number: it asks whether a signal (SIGTERM, Ctrl-C) reached any rank (a failed
         # background save raises on all ranks). On several ranks: an all-reduce of two numbers (gloo: no GPU wait).
@@ -258,7 +258,7 @@ def main() -> None:
     dist_info = init_distributed(args.device)
     rank, world_size, device = dist_info.rank, dist_info.world_size, dist_info.device
     log = rank0_logger(dist_info.is_main)
-    setup_seed(args.seed)  # identical initial weights on every rank
+    setup_seed(args.seed)  # the same random weights on every rank (FSDP needs it; DDP also broadcasts rank 0's)
 
     # ---- 3. Data and batch geometry: the files are indexed and checked before any training ------
     tokenizer = load_tokenizer(args.tokenizer_path)

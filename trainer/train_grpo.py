@@ -224,7 +224,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, data: Data, betwee
         on_device, local_tokens, watch = step_rollouts(  # grpo: the rollouts sampled, their token count, metrics
             unwrap(model), micro_batches, train_ds, args, epoch, autocast, device)  # grpo
         # The loss is a sum over completion tokens divided by those of the WHOLE global batch (grpo: its  # grpo
-        # completions; all ranks, all micro-steps), so the gradient does not depend on how the batch is split.  # grpo
+        # completions; all ranks, all micro-steps): the gradient does not depend on the split (but rounding).  # grpo
         global_tokens = sum_over_ranks(loss_denominator(on_device, local_tokens, args.loss_type))  # grpo
         loss_scale = world_size / global_tokens.clamp(min=1.0)  # x world_size: DDP averages over ranks
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -255,7 +255,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, data: Data, betwee
                       [loss_sum / args.num_iterations, local_tokens, global_tokens,  # grpo: the mean update's loss,
                        torch.stack(norms).max()]))  # grpo: the largest grad norm (NaN if any: the guard sees it)
         at = at.after(end, n)  # a step skipped on the device too: its samples count as consumed
-        tracker.step_taken(at.global_step)  # the first prints "first step done": a sign of life on a slow machine
+        tracker.step_taken(at.global_step)  # the first prints "first step taken": a sign of life on a slow machine
         # ---- step N's log line, validation and save, at their intervals: nothing here changes step N ---------
         # The stop vote changes no number: it asks whether a signal (SIGTERM, Ctrl-C) reached any rank (a failed
         # background save raises on all ranks). On several ranks: an all-reduce of two numbers (gloo: no GPU wait).
@@ -298,7 +298,7 @@ def main() -> None:
     dist_info = init_distributed(args.device)
     rank, world_size, device = dist_info.rank, dist_info.world_size, dist_info.device
     log = rank0_logger(dist_info.is_main)
-    setup_seed(args.seed)  # identical initial weights on every rank
+    setup_seed(args.seed)  # the same random weights on every rank (FSDP needs it; DDP also broadcasts rank 0's)
 
     # ---- 3. Data and batch geometry: the files are indexed and checked before any training ------
     tokenizer = load_tokenizer(args.tokenizer_path)

@@ -142,8 +142,8 @@ def train_epoch(args, at: Position, model, optimizer, scaler, data: Data, betwee
         lr = get_lr((epoch * n + end) / (args.epochs * n), base_lr, args.warmup_ratio)
         on_device = [(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
                      for _, x, y in micro_batches]
-        # The loss is a sum over tokens divided by the tokens with a label in the WHOLE global batch
-        # (all ranks, all micro-steps), so the gradient does not depend on how the batch is split (MoE aside: below).
+        # The loss is a sum over tokens divided by the tokens with a label in the WHOLE global batch (all ranks, all
+        # micro-steps), so the gradient does not depend on the batch's split (but for rounding; MoE aside: below).
         local_tokens = sum((y[:, 1:] != -100).sum() for _, y in on_device).double()
         global_tokens = sum_over_ranks(local_tokens.clone())
         loss_scale = world_size / global_tokens.clamp(min=1.0)  # x world_size: DDP averages over ranks
@@ -170,7 +170,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, data: Data, betwee
                            samples=samples, input_tokens=input_tokens),
                       [loss_sum, local_tokens, global_tokens, grad_norm]))
         at = at.after(end, n)  # a step skipped on the device too: its samples count as consumed
-        tracker.step_taken(at.global_step)  # the first prints "first step done": a sign of life on a slow machine
+        tracker.step_taken(at.global_step)  # the first prints "first step taken": a sign of life on a slow machine
         # ---- step N's log line, validation and save, at their intervals: nothing here changes step N ---------
         # The stop vote changes no number: it asks whether a signal (SIGTERM, Ctrl-C) reached any rank (a failed
         # background save raises on all ranks). On several ranks: an all-reduce of two numbers (gloo: no GPU wait).
@@ -211,7 +211,7 @@ def main() -> None:
     dist_info = init_distributed(args.device)
     rank, world_size, device = dist_info.rank, dist_info.world_size, dist_info.device
     log = rank0_logger(dist_info.is_main)
-    setup_seed(args.seed)  # identical initial weights on every rank
+    setup_seed(args.seed)  # the same random weights on every rank (FSDP needs it; DDP also broadcasts rank 0's)
 
     # ---- 3. Data and batch geometry: the files are indexed and checked before any training ------
     tokenizer = load_tokenizer(args.tokenizer_path)

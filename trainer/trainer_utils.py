@@ -85,8 +85,8 @@ def no_sync(model: torch.nn.Module, accumulate_only: bool = True) -> Iterator[No
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, grad_norm: torch.Tensor) -> None:
-    """The step (AdamW's; with Muon, both), skipped on the device where, and only where, `grad_norm` (of the gradients
-    all ranks share: all skip alike; fp16: GradScaler's check) is not finite. A spike is applied, judged later."""
+    """The step, skipped where, and only where, `grad_norm` (of the gradients all ranks share: all skip alike) is not
+    finite: on the device (fp16: GradScaler's own check; Muon: the host reads it). A spike is applied, judged later."""
     if not optimizer.defaults.get("fused"):
         raise ValueError("optimizer_step skips a step on the device: it needs AdamW(..., fused=True)")
     if scaler.is_enabled():
@@ -252,8 +252,8 @@ def epoch_order(seed: int, epoch: int, num_samples: int) -> torch.Tensor:
 
 
 class SkipBatchSampler(Sampler[list[int]]):
-    """This rank's micro-batches for the rest of an epoch, skipping what was trained (sliced, never read), as minimind's
-    does. After a rollback only, the windows it `left_out` are cut out too (hardening/anomaly_policy.py)."""
+    """This rank's micro-batches for the rest of an epoch: what was trained is skipped (sliced, never read) at one
+    global sample cursor, the same on any GPU count. After a rollback only, its `left_out` windows are cut out too."""
 
     def __init__(self, order: torch.Tensor, samples_consumed: int, global_batch: int,
                  batch_size: int, rank: int, world_size: int, left_out=()):

@@ -14,15 +14,15 @@ Layout for a run named R (e.g. `pretrain_512`) in the checkpoint directory:
         failed_verification/    files that failed their manifest check or to load, with their
                                 manifests: moved here and logged, never counted, never deleted
 
-A save never touches a good checkpoint (out/{run}.pth, written first, may be a step newer than the newest
-one after a failed save): it writes a new history file and its manifest atomically (a temp name of
-its own, `NAME.partial-HOST-PID-TID.tmp`; fsync, rename, fsync of the directory), hashing while writing, and
-only then moves the resume link and the latest pointer and rotates, keeping the newest `keep_last` that
-verify. A crash leaves the previous checkpoint intact; a failed save removes its own files. Resume takes the
-newest history file that verifies and loads (weights_only) and moves newer ones aside. A hash is remembered
-per process by (path, inode, size, mtime_ns): rotation reads a kept file once, not at every save. Those
-primitives (atomic writes, hashes, weights_only loads) are durable_files.py's; a sharded checkpoint's folder
-is verified and read by sharded_checkpoint.py, and written by sharding.py.
+A save never overwrites a good checkpoint (rotation then removes those past --keep_last; out/{run}.pth, written
+first, may be newer than the checkpoint a run resumes from after a failed save): it writes a new history file
+and its manifest atomically (a temp name of its own, `NAME.partial-HOST-PID-TID.tmp`; fsync, rename, fsync of
+the directory), hashing while writing, and only then moves the resume link and the latest pointer and rotates,
+keeping the newest `keep_last` that verify. A crash leaves the previous checkpoint intact; a failed save removes
+its own files. Resume takes the newest history file that verifies and loads (weights_only) and moves newer ones
+aside. A hash is remembered per process by (path, inode, size, mtime_ns): rotation reads a kept file once, not
+at every save. Those primitives (atomic writes, hashes, weights_only loads) are durable_files.py's; a sharded
+checkpoint's folder is verified and read by sharded_checkpoint.py, and written by sharding.py.
 
 At start, holding the directory lock, rank 0 removes the temp files of killed writes and checks that nothing but a
 file stands where a save must write (directory_checks.py: `remove_stale_temp_files`, `check_no_obstructions`).

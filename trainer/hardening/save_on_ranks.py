@@ -18,7 +18,7 @@ from trainer.hardening.run_lock import LockLost, lock_lost, lost_on_another_rank
 
 
 def capture_rng_state() -> dict:
-    """Every RNG this process draws from (dropout, loader workers, anything seeded globally), weights_only-loadable."""
+    """Every global RNG of this process (dropout if any; the loader, augmentations have their own): weights_only."""
     np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     py_version, py_state, py_gauss = random.getstate()
     return {"torch": torch.get_rng_state(),

@@ -300,10 +300,10 @@ class Tracker:
             self.heartbeat = None
 
     def step_taken(self, step: int) -> None:
-        """Optimizer step `step` is taken (its numbers are still on the device). After this invocation's first:
-        "first step done", the first sign of life a slow machine's user gets."""
+        """Optimizer step `step` is taken (on a GPU: queued, its numbers still on the device). After this invocation's
+        first: "first step taken", the first sign of life a slow machine's user gets."""
         if self.is_main and not self.first_taken:
-            print(f"first step done after {time.perf_counter() - self.started:.1f} s (step {step}; "
+            print(f"first step taken after {time.perf_counter() - self.started:.1f} s (step {step}; "
                   f"a log line every {self.log_interval} steps)", flush=True)
         self.first_taken, self.last_taken = True, step
 
