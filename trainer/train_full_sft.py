@@ -116,8 +116,8 @@ class Between(NamedTuple):
 
 def train_epoch(args, at: Position, model, optimizer, scaler, data: Data, between: Between) -> tuple[Position, bool]:
     """Train from `at` to the epoch's end (False), a stop, --max_steps or the run's end (True); a rollback raises."""
-    train_ds, global_batch, rank, world_size, device = data
-    n = len(train_ds)  # samples in an epoch
+    train_ds, global_batch, device = data.dataset, data.global_batch, data.device
+    rank, world_size, n = data.rank, data.world_size, len(data.dataset)  # n: samples in an epoch
     stop, policy, tracker, saver = between.stop, between.policy, between.tracker, between.saver
     epoch, last_step = at.epoch, total_steps(at, n, global_batch, args.epochs, policy.left_out)
     # The anomaly policy, after a rollback only: the LR x --rollback_lr_factor (1: as it was), a window left out
@@ -196,7 +196,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, data: Data, betwee
             kept = lm_checkpoint(between.lm_config, args.save_weight, model, optimizer, position=at, run=between.run,
                                  save_dir=args.save_dir, checkpoint_dir=args.checkpoint_dir, scaler=scaler,
                                  anomaly_state=policy.state_dict(), trackers=tracker.runs, saver=saver)
-            tracker.saved(at.global_step, kept, time.perf_counter() - started, saver.pop_blocked())  # blocked, by part
+            tracker.saved(at.global_step, kept, time.perf_counter() - started, saver.pop_blocked())  # its waits
         if last:
             return at, True
     return Position(epoch + 1, 0, at.global_step), False  # `at` itself, unless a rollback left the epoch's end out
@@ -255,7 +255,7 @@ def main() -> None:
     saver = BackgroundSaver(bool(args.async_save), use_cuda, args.keep_last, bool(args.gather_weights),
                             args.tokenizer_path if args.save_hf else None, optimizer)  # rank 0 writes (fsdp: all)
     stop = StopRequest()  # SIGTERM / Ctrl-C: the step in progress finishes, is saved, and the run exits 0
-    policy = AnomalyPolicy(args, tracker, not scaler.is_enabled(), state["anomaly"] if state else {}, log)  # memory
+    policy = AnomalyPolicy(args, tracker, not scaler.is_enabled(), state["anomaly"] if state else {}, log)
     install_debug_injection(model, args.debug_inject, current_step=tracker.step_in_progress)  # --debug_inject only
     if args.use_compile and args.parallel == "ddp":  # (FSDP compiled each layer as it sharded it)
         model = torch.compile(model, backend=args.compile_backend)
