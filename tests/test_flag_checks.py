@@ -13,7 +13,7 @@ import torch
 from conftest import run_args, train
 from model.model import CausalLM, LMConfig
 from trainer import train_distillation, train_full_sft, train_pretrain
-from trainer.hardening import flag_checks
+from trainer.hardening import flag_checks, optimizer_checks
 from trainer.hardening.resume_checks import ConfigError
 from trainer.trainer_utils import model_config
 
@@ -303,3 +303,17 @@ def test_a_lora_rank_that_cannot_fit_stops_train_lora_with_one_line_before_anyth
     # Before: the adapters were allocated, a 256 GB allocator traceback.
     expect_one_line(result, "--lora_rank 1000000000: the model and its LoRA adapters would have")
     assert "lower --lora_rank" in result.stderr and not (tmp_path / "ckpt").exists()
+
+
+def test_a_torch_whose_fused_adamw_ignores_found_inf_is_refused_before_training():
+    """The device-side skip relies on fused AdamW reading `found_inf`: this torch does (the check passes), and one
+    that ignored it (here a subclass that drops it before stepping) is refused in one line."""
+    optimizer_checks.check_fused_adamw_skips()
+
+    class IgnoresFoundInf(torch.optim.AdamW):
+        def step(self, closure=None):
+            self.__dict__.pop("found_inf", None)
+            return super().step(closure)
+
+    with pytest.raises(ConfigError, match="fused AdamW applied a step whose found_inf was set"):
+        optimizer_checks.check_fused_adamw_skips(IgnoresFoundInf)

@@ -1,5 +1,6 @@
-"""What --optimizer muon (trainer_utils.make_optimizer) needs before a run starts: a torch that ships Muon, and not
---parallel fsdp; and how many parameters Muon trains, for the memory check (flag_checks.check_fits_in_memory)."""
+"""What the optimizers need before a run starts: fused AdamW that skips a step where `found_inf` is set (the device-side
+skip of trainer_utils.optimizer_step); for --optimizer muon a torch that ships Muon, and not --parallel fsdp; and how
+many parameters Muon trains, for the memory check (flag_checks.check_fits_in_memory)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,26 @@ from trainer.hardening.resume_checks import ConfigError
 MUON_TORCH = "2.9"  # torch.optim.Muon first shipped in PyTorch 2.9
 
 
+def check_fused_adamw_skips(adamw: type = torch.optim.AdamW) -> None:
+    """trainer_utils.optimizer_step skips a step with a non-finite gradient by setting `optimizer.found_inf`, which
+    fused AdamW hands to its kernel (as GradScaler does): torch's contract, not a public API. A torch that stopped
+    reading it would apply NaN steps, so it is tried once, on the CPU, before anything trains: a NaN gradient with
+    found_inf set must leave the weight and the step count as they were."""
+    weight = torch.nn.Parameter(torch.ones(2))
+    optimizer = adamw([weight], lr=0.1, fused=True)
+    weight.grad = torch.full_like(weight, float("nan"))
+    optimizer.found_inf = torch.ones(())
+    optimizer.step()
+    if not torch.equal(weight.detach(), torch.ones(2)) or float(optimizer.state[weight]["step"]) != 0:
+        raise ConfigError(f"torch {torch.__version__}: fused AdamW applied a step whose found_inf was set, so a NaN "
+                          f"gradient would reach the weights; use a torch from 2.4 to the one requirements.txt names")
+
+
 def check_optimizer_flags(args: argparse.Namespace) -> None:
-    """Refuse --optimizer muon where it cannot run: a torch without Muon, or --parallel fsdp (Muon orthogonalises
-    each matrix whole; an FSDP rank holds a slice of it). Muon's LR defaults to --learning_rate."""
+    """Fused AdamW's skip (above); refuse --optimizer muon where it cannot run: a torch without Muon, or --parallel
+    fsdp (Muon orthogonalises each matrix whole; an FSDP rank holds a slice of it). Muon's LR defaults to
+    --learning_rate."""
+    check_fused_adamw_skips()
     if getattr(args, "optimizer", "adamw") != "muon":
         return
     if not hasattr(torch.optim, "Muon"):
