@@ -93,8 +93,8 @@ def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScale
         scaler.step(optimizer)  # fp16: skipped where unscale_ found an inf or NaN
     else:
         # = `if torch.isfinite(grad_norm): optimizer.step()`, whose `if` makes the host wait for the GPU every step.
-        # torch >= 2.4: AdamW.step() (torch/optim/adamw.py; adam.py once AdamW became Adam) hands getattr(self,
-        # "found_inf") to the fused kernel; where it is 1 weights and moments stay, the step count is taken back.
+        # torch >= 2.4: AdamW.step() (optim/adamw.py; adam.py once AdamW became Adam) hands getattr(self, "found_inf")
+        # to the fused kernel: where 1, weights, moments, step count stay (tried before training: optimizer_checks.py).
         optimizer.found_inf = (~torch.isfinite(sharding.whole(grad_norm))).float()
         try:
             optimizer.step()
