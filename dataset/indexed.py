@@ -16,10 +16,11 @@ PLACEHOLDER_INDEX = -1
 
 
 def trained_samples(micro_batches: list) -> tuple[list[int], int]:
-    """The sample indices in a step's micro-batches (as IndexedDataset yields them, placeholders left out), and
-    the input tokens of those micro-batches, padding included (for tokens/s)."""
-    return ([int(i) for indices, _, _ in micro_batches for i in indices if i != PLACEHOLDER_INDEX],
-            sum(input_ids.numel() for _, input_ids, _ in micro_batches))
+    """The sample indices in a step's micro-batches (as IndexedDataset yields them) and the input tokens of their
+    rows, padding included (for tokens/s): a placeholder row is neither, as it trains nothing."""
+    rows = [(int(index), input_ids.numel()) for indices, batch, _ in micro_batches
+            for index, input_ids in zip(indices, batch) if int(index) != PLACEHOLDER_INDEX]
+    return [index for index, _ in rows], sum(tokens for _, tokens in rows)
 
 
 class IndexedDataset(Dataset):

@@ -151,3 +151,26 @@ def test_an_optimizer_that_cannot_skip_on_the_device_is_refused():
     with pytest.raises(ValueError, match="fused=True"):
         optimizer_step(torch.optim.AdamW(model.parameters(), fused=False), torch.amp.GradScaler("cpu", enabled=False),
                        torch.tensor(1.0))
+
+
+def test_a_short_last_step_counts_the_samples_and_tokens_of_real_rows_only():
+    """Rank 2 of 3 in a short window gets a placeholder micro-batch: it trains nothing, so it adds neither a sample
+    to the trace nor tokens to tokens/s (its labels are all ignored; the rows beside it count in full)."""
+    from torch.utils.data import DataLoader, Dataset
+
+    from dataset.indexed import IndexedDataset, trained_samples
+
+    class Rows(Dataset):  # sample i: 4 + i tokens, padded to 8
+        def __len__(self):
+            return 5
+
+        def __getitem__(self, i):
+            x = torch.zeros(8, dtype=torch.long)
+            return x, torch.where(torch.arange(8) < 4 + i, 1, -100)
+
+    order = torch.arange(5)
+    sampler = SkipBatchSampler(order, 0, 6, 1, 2, 3)  # rank 2 of 3, batch 1, G 6: one step of 5 samples
+    micro_batches = list(DataLoader(IndexedDataset(Rows()), batch_sampler=sampler))
+    assert [indices.tolist() for indices, _, _ in micro_batches] == [[2], [-1]]  # sample 2, then the placeholder
+    assert (micro_batches[1][2] == -100).all()
+    assert trained_samples(micro_batches) == ([2], 8)  # 8: sample 2's row; the placeholder's 8 tokens are not counted
