@@ -63,7 +63,7 @@ from model.lora import load_lora, note_if_another_base
 from model.model import CausalLM
 from model.rope import add_rope_scaling_flags, rope_scaling_of_flags
 from model.tokenizer import BOS_ID, EOS_ID, chars_for_tokens, load_tokenizer, text_end_for_tokens
-from trainer.hardening.checkpoint_io import trained_length
+from trainer.hardening.out_weights import trained_length
 from trainer.hardening.tracking import Validation, validation_loss
 from trainer.trainer_utils import REPO_ROOT
 

@@ -13,7 +13,7 @@ so that a larger rank does not mean a larger step. After training, B A · α/r c
 An adapter file is the state dict of `adapter_of(model)`: only A and B, named as in the model, e.g.
 `model.layers.0.self_attn.q_proj.lora_A.weight` (r, in) and `...q_proj.lora_B.weight` (out, r), which are the
 names PEFT uses too (`export_peft` adds its prefix). The rank and the targets are read off those names and
-shapes; α is in the `.json` beside the file (training writes it: checkpoint_io.write_out_weights).
+shapes; α is in the `.json` beside the file (training writes it: hardening/out_weights.py).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ if __package__ in (None, ""):  # run as a file (python scripts/x.py): make the r
 import torch
 
 from output_paths import OutputPathError
-from trainer.hardening import checkpoint_io
+from trainer.hardening import checkpoint_io, out_weights
 from trainer.hardening.checkpoint_io import CheckpointError
 from trainer.hardening.sharded_checkpoint import consolidate
 
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         if problem is not None:
             raise CheckpointError(f"{args.checkpoint} cannot be trusted: {problem}")
         state = consolidate(args.checkpoint)
-        weights = checkpoint_io.cast_state_dict(state["model"], torch.float16)  # tied tensors stay one
+        weights = out_weights.cast_state_dict(state["model"], torch.float16)  # tied tensors stay one
         args.out.parent.mkdir(parents=True, exist_ok=True)
         checkpoint_io.atomic_write(args.out, lambda f: torch.save(weights, f))
         print(f"wrote {args.out}: {len(weights)} FP16 tensors of step {state['global_step']}")

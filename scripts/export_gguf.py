@@ -43,7 +43,7 @@ from model.rope import add_rope_scaling_flags, rope_scaling_of_flags  # noqa: E4
 # QWEN2_PATTERN: Qwen2's regex, which llama.cpp runs for tokenizer.ggml.pre = qwen2
 from model.tokenizer import BOS_ID, DEFAULT_TOKENIZER, QWEN2_PATTERN  # noqa: E402
 from output_paths import OutputPathError, check_user_output, written_by_name  # noqa: E402
-from trainer.hardening.checkpoint_io import trained_length  # noqa: E402
+from trainer.hardening.out_weights import trained_length  # noqa: E402
 
 
 def describe(pre: dict | None) -> str:

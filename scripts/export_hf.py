@@ -42,7 +42,7 @@ from model.model import CausalLM, LMConfig
 from model.rope import add_rope_scaling_flags, rope_scaling_of_flags
 from model.tokenizer import DEFAULT_TOKENIZER
 from output_paths import OutputPathError, atomic_write, check_output_folder, check_user_output
-from trainer.hardening.checkpoint_io import trained_length
+from trainer.hardening.out_weights import trained_length
 
 SIZE_FLAGS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "use_moe", "intermediate_size", "num_experts", "num_experts_per_tok")

@@ -12,7 +12,7 @@ import torch
 from model.lora import adapter_of, apply_lora
 from model.model import CausalLM, LMConfig
 from model.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
-from trainer.hardening.checkpoint_io import cast_state_dict, write_out_weights
+from trainer.hardening.out_weights import cast_state_dict, write_out_weights
 from trainer.hardening.durable_files import sha256_of
 
 TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")  # some of each block's, not all: targets are read back

@@ -27,6 +27,7 @@ from conftest import PRETRAIN_RUN, REPO, Lines, assert_exit_code, child_env, run
 import output_paths
 from trainer.hardening import checkpoint_io as cio, durable_files
 from trainer.hardening.checkpoint_io import CheckpointError, RunFiles
+from trainer.hardening.out_weights import write_out_weights
 from trainer.trainer_utils import write_checkpoint_files
 
 
@@ -491,7 +492,7 @@ def test_resume_past_a_damaged_newest_checkpoint_keeps_the_good_older_one(tmp_pa
 
 def test_the_settings_beside_an_out_file_are_not_taken_for_an_earlier_manifest(tmp_path):
     out = tmp_path / "out" / "full_sft_32.pth"
-    cio.write_out_weights(out, small_state(1)["model"], {"max_seq_len": 48})
+    write_out_weights(out, small_state(1)["model"], {"max_seq_len": 48})
     assert (tmp_path / "out" / "full_sft_32.json").is_file()  # {"max_seq_len": 48}: no size, no hash
     assert durable_files.manifest_of(out) == cio.manifest_path(out)  # so: no manifest (full_sft_32.pth.json)
     kept = tmp_path / "ckpt" / "step_00000001.pth"

@@ -6,7 +6,8 @@
     3. data order      resolve_accumulation (the global batch), samples_consumed -> SkipBatchSampler (who trains what)
     4. checkpoints     model_config (the model the flags describe; from a file: hardening/from_weight.py),
                        lm_checkpoint (the commented `_resume.pth` dict; the FP16 out/ file: write_checkpoint_files),
-                       load_checkpoint (the newest good one, checked; what another GPU count changes: resume_checks)
+                       load_checkpoint (the newest good one, checked; what another GPU count changes: resume_checks),
+                       restore_training_state (what a resume restores); kill -9: hardening/checkpoint_io.py's top
 Every number of a step is computed here, in the script or the model's forward (the epoch's order less the windows
 rollbacks left out: hardening/anomaly_policy.py); trainer/hardening/ keeps files safe, times the log, stops runs."""
 
@@ -26,7 +27,7 @@ from torch.utils.data import Sampler
 from dataset.indexed import PLACEHOLDER_INDEX
 from model.hf import export_hf
 from model.model import CausalLM, LMConfig
-from trainer.hardening import checkpoint_io, resume_checks, sharding
+from trainer.hardening import checkpoint_io, out_weights, resume_checks, sharding
 from trainer.hardening.anomaly_policy import cursor_after, kept_spans, steps_left
 from trainer.hardening.background_save import BackgroundSaver
 from trainer.hardening.flag_checks import check_fits_in_memory
@@ -423,15 +424,14 @@ def lm_checkpoint(lm_config: LMConfig, weight: str, model: torch.nn.Module, opti
 
 def write_checkpoint_files(files: checkpoint_io.RunFiles, out_path: Path, copy: dict, info: dict,
                            keep_last: int) -> None:
-    """The writer's job, from the CPU copy of step N: out/{run}.pth, then {run}_history/step_N.pth, its manifest (size,
-    sha256), `_resume.pth` (a hard link to it), `_latest.txt` (its name): each to a temp file, fsynced, renamed
-    (output_paths.atomic_write: what a kill -9 cannot tear; checkpoint_io.save_verified: the history and the link)."""
+    """From the CPU copy of step N: out/{run}.pth, {run}_history/step_N.pth, its manifest, `_resume.pth` (a hard link
+    to it), `_latest.txt`, each via a temp file. Why a kill -9 loses nothing: hardening/checkpoint_io.py's top."""
     raise_if_lock_lost()  # LockLost if another run took these directories over (run_lock.py): nothing written
     # The out/ file: every weight cast to FP16, half the bytes, for inference and the next stage (the resume file
     # keeps the FP32 masters). Tensors that share storage (the tied embedding and lm_head) stay one tensor.
     fp16 = {}
     weights = {name: fp16.setdefault(t.data_ptr(), t.to(torch.float16)) for name, t in copy["model"].items()}
-    checkpoint_io.write_out_weights(out_path, weights, copy["train_args"], raise_if_lock_lost)  # + out/{run}.json
+    out_weights.write_out_weights(out_path, weights, copy["train_args"], raise_if_lock_lost)  # + out/{run}.json
     checkpoint_io.save_verified(files, copy, info["global_step"], keep_last, info, raise_if_lock_lost)
 
 

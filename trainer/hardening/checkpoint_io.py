@@ -1,31 +1,26 @@
-"""Checkpoint files that survive `kill -9` at any instant.
-
-Layout for a run named R (e.g. `pretrain_512`) in the checkpoint directory:
+"""Checkpoint files that survive `kill -9` at any instant: the save (`save_verified`), then the resume's choice of
+file (`load_newest`), then what both call. trainer_utils.lm_checkpoint says what a checkpoint holds.
 
     checkpoints/
-      R_resume.pth              a hard link to the newest history file (a resume reads the newest one that
-                                verifies in R_history/, this link only where there is no history)
-      R_latest.txt              the name of that history file, written atomically
+      R_resume.pth              a hard link to the newest history file (R: the run, e.g. `pretrain_512`)
+      R_latest.txt              the name of that history file
       R_history/
-        step_00000300.pth       verified states, the newest `--keep_last` of them
-        step_00000300.pth.json  its manifest: size, sha256, epoch, step, samples consumed (named after the
-                                whole name, so a step_00000300.dcp of a sharded run has a manifest of its own;
-                                an earlier version's step_00000300.json is still read: durable_files.manifest_of)
-        failed_verification/    files that failed their manifest check or to load, with their
-                                manifests: moved here and logged, never counted, never deleted
+        step_00000300.pth       a saved state; the newest `--keep_last` that verify are kept
+        step_00000300.pth.json  its manifest: size, sha256, epoch, step, samples consumed
+        failed_verification/    files that failed their manifest check or to load: moved here, logged, kept
 
-A save never overwrites a good checkpoint (rotation then removes those past --keep_last; out/{run}.pth, written
-first, may be newer than the checkpoint a run resumes from after a failed save): it writes a new history file
-and its manifest atomically (a temp name of its own, `NAME.partial-HOST-PID-TID.tmp`; fsync, rename, fsync of
-the directory), hashing while writing, and only then moves the resume link and the latest pointer and rotates,
-keeping the newest `keep_last` that verify. A crash leaves the previous checkpoint intact; a failed save removes
-its own files. Resume takes the newest history file that verifies and loads (weights_only) and moves newer ones
-aside. A hash is remembered per process by (path, inode, size, mtime_ns): rotation reads a kept file once, not
-at every save. Those primitives (atomic writes, hashes, weights_only loads) are durable_files.py's; a sharded
-checkpoint's folder is verified and read by sharded_checkpoint.py, and written by sharding.py.
-
-At start, holding the directory lock, rank 0 removes the temp files of killed writes and checks that nothing but a
-file stands where a save must write (directory_checks.py: `remove_stale_temp_files`, `check_no_obstructions`).
+Why a kill at any instant loses nothing:
+  1. Every file is written under a temp name of its own, fsynced and renamed over its real name
+     (output_paths.atomic_write): a name holds the old bytes or the new ones, never half of them.
+  2. A save writes a new file (step_N.pth), then its manifest, and only then moves the link and the pointer and
+     removes old ones: a kill before the manifest leaves a file that is not a checkpoint, and the one before intact.
+  3. A resume takes the newest history file whose size and SHA-256 match its manifest and that loads
+     (torch.load, weights_only); newer ones that fail are moved aside, one line each; none good is an error,
+     never a silent fresh start.
+A save never overwrites a good checkpoint (rotation removes those past --keep_last; out/{run}.pth, written first,
+may be newer than the checkpoint a run resumes from after a failed save). A sharded checkpoint is a folder
+(sharded_checkpoint.py reads it, sharding.py writes it); the temp files of killed writes are removed at start
+(directory_checks.py), holding the directory lock.
 """
 
 from __future__ import annotations
@@ -48,7 +43,7 @@ import torch.distributed as dist
 from output_paths import (TEMP_TAIL, OutputPathError, atomic_write, atomic_write_text, check_output, fsync_dir,
                           temp_path)
 from trainer.hardening.durable_files import (CheckpointError, earlier_manifest, forget_hash, load_file_trusted,
-                                             manifest_of, manifest_path, remember_hash, sha256_of)
+                                             manifest_of, manifest_path, no_check, remember_hash, sha256_of)
 
 HISTORY_NAME = re.compile(r"^step_(\d{8})\.(?:pth|dcp)$")  # .dcp: a sharded checkpoint's folder
 # What a save writes into the history folder, as files: checkpoints and manifests (`.json` alone: earlier versions').
@@ -89,9 +84,7 @@ def _written_at(path: Path) -> int:
         return 0
 
 
-def no_check() -> None:
-    """The `still_held` of a save whose directory no lock guards (tools, tests)."""
-
+# ---- the save ------------------------------------------------------------------------------------
 
 def save_verified(files: RunFiles, state: dict, step: int, keep_last: int, info: dict,
                   still_held: Callable[[], None] = no_check) -> Path:
@@ -128,6 +121,101 @@ def save_verified(files: RunFiles, state: dict, step: int, keep_last: int, info:
     rotate_after_save(files, keep_last, path)
     return path
 
+
+# ---- the resume: the newest checkpoint that verifies and loads ------------------------------------
+
+def load_newest(files: RunFiles, resume_path: str | None, log: Callable[[str], None]) -> dict | None:
+    """The state of the newest good checkpoint (or `resume_path`'s); None when the run has none.
+    Rank 0 picks and verifies the file and shares its choice; every rank then loads that file."""
+    choice, state = [None], None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        choice[0], state = _choose_checkpoint(files, resume_path, log)
+    if dist.is_initialized():
+        dist.broadcast_object_list(choice, src=0)
+    if choice[0] is None:
+        return None
+    if state is None:  # the other ranks read the file rank 0 chose and verified
+        state = load_trusted(Path(choice[0]))
+    state["resumed_from"] = choice[0]
+    return state
+
+
+def _choose_checkpoint(files: RunFiles, resume_path: str | None, log) -> tuple[str | None, dict | None]:
+    """(path, loaded state) of the checkpoint to resume; (None, None) when there is nothing."""
+    if resume_path is None:
+        found = newest_good_checkpoint(files, log)
+        if found is None and files.resume_link.is_file():  # a lone file: copied here, or minimind's
+            log(f"{files.resume_link} has no manifest, so its bytes could not be checksum-verified; "
+                f"loading it with weights_only=True")
+            return str(files.resume_link), load_trusted(files.resume_link)
+        return (None, None) if found is None else (str(found[0]), found[1])
+    path = Path(resume_path)
+    problem = verify(path)
+    if problem:
+        raise CheckpointError(f"--resume_path {path} cannot be trusted: {problem}")
+    history = [p.name for p in files.history()]
+    newer = history[:history.index(path.name)] if path.name in history else []
+    if newer and path.parent.resolve() == files.history_dir.resolve():
+        # Set newer checkpoints aside (not deleted), or a later --from_resume 1 would jump back to them.
+        aside = files.history_dir / f"discarded_after_{path.stem}"
+        aside.mkdir(exist_ok=True)
+        for p in (files.history_dir / name for name in newer):
+            for f in (p, manifest_of(p)):
+                if f.exists():
+                    os.replace(f, aside / f.name)
+        log(f"resuming from {path}; moved the newer checkpoints {', '.join(newer)} to {aside}")
+    return str(path), load_to_resume(path)
+
+
+def newest_good_checkpoint(files: RunFiles, log: Callable[[str], None]) -> tuple[Path, dict] | None:
+    """The newest history file that verifies (hashed in full) and loads, with its state; None if there is no
+    history. Newer ones that failed are then moved into failed_verification/ (rank 0 only: it moves files).
+    If none is good, raises with what was tried: a damaged run never silently restarts from scratch."""
+    candidates = files.history()
+    if not candidates:
+        return None
+    if not files.resume_link.exists() and not any(manifest_of(p).is_file() for p in candidates):
+        # No save ever completed here: debris of a killed first save. Starting fresh loses nothing;
+        # refusing would leave the run stuck.
+        log(f"ignoring {', '.join(p.name for p in candidates)} in {files.history_dir}: no manifest, "
+            f"the first save was interrupted before it completed")
+        return None
+    failed = []
+    for path in candidates:
+        problem = verify(path)
+        if problem is None:
+            try:
+                state = load_to_resume(path)
+            except CheckpointError as error:
+                problem = str(error)
+        if problem is None:
+            if failed:
+                _set_aside_failed(files, path, failed, log)
+            return path, state
+        failed.append((path, problem))
+    raise CheckpointError("no usable checkpoint; tried:\n  " + "\n  ".join(f"{p}: {why}" for p, why in failed))
+
+
+def _set_aside_failed(files: RunFiles, good: Path, failed: list[tuple[Path, str]], log) -> None:
+    """Move the checkpoints newer than `good` that failed out of the history, one line each. The resume link,
+    if it named one of them, names `good` first: a kill in between leaves it on a good file."""
+    try:
+        link = files.resume_link
+        if good.is_dir() or link.is_file() and is_managed(files, link) and not os.path.samefile(link, good):
+            point_resume_at(files, good)
+        for path, problem in failed:
+            if not manifest_of(path).is_file():  # a save killed before its manifest: its space is given back
+                remove_checkpoint(path)
+                log(f"skipping checkpoint {path}: {problem}; removed it")
+            else:
+                log(f"skipping checkpoint {path}: {problem}; moved it to {move_aside(files, path)}")
+    except OSError as error:
+        raise CheckpointError(f"could not move a failed checkpoint out of {files.history_dir}: {error}; "
+                              f"fix the folder's permissions, then run again") from error
+    log(f"using older checkpoint {good} instead")
+
+
+# ---- what save_verified and the resume above call: the link, rotation, verification, files set aside -------
 
 def rotate_after_save(files: RunFiles, keep_last: int, newest: Path) -> None:
     """`rotate`, after `newest` was saved and linked: a failure is a CheckpointError that says so."""
@@ -291,141 +379,3 @@ def set_aside_unmanaged_resume_file(files: RunFiles) -> Path | None:
     os.replace(link, aside)
     fsync_dir(link.parent)
     return aside
-
-
-def newest_good_checkpoint(files: RunFiles, log: Callable[[str], None]) -> tuple[Path, dict] | None:
-    """The newest history file that verifies (hashed in full) and loads, with its state; None if there is no
-    history. Newer ones that failed are then moved into failed_verification/ (rank 0 only: it moves files).
-    If none is good, raises with what was tried: a damaged run never silently restarts from scratch."""
-    candidates = files.history()
-    if not candidates:
-        return None
-    if not files.resume_link.exists() and not any(manifest_of(p).is_file() for p in candidates):
-        # No save ever completed here: debris of a killed first save. Starting fresh loses nothing;
-        # refusing would leave the run stuck.
-        log(f"ignoring {', '.join(p.name for p in candidates)} in {files.history_dir}: no manifest, "
-            f"the first save was interrupted before it completed")
-        return None
-    failed = []
-    for path in candidates:
-        problem = verify(path)
-        if problem is None:
-            try:
-                state = load_to_resume(path)
-            except CheckpointError as error:
-                problem = str(error)
-        if problem is None:
-            if failed:
-                _set_aside_failed(files, path, failed, log)
-            return path, state
-        failed.append((path, problem))
-    raise CheckpointError("no usable checkpoint; tried:\n  " + "\n  ".join(f"{p}: {why}" for p, why in failed))
-
-
-def _set_aside_failed(files: RunFiles, good: Path, failed: list[tuple[Path, str]], log) -> None:
-    """Move the checkpoints newer than `good` that failed out of the history, one line each. The resume link,
-    if it named one of them, names `good` first: a kill in between leaves it on a good file."""
-    try:
-        link = files.resume_link
-        if good.is_dir() or link.is_file() and is_managed(files, link) and not os.path.samefile(link, good):
-            point_resume_at(files, good)
-        for path, problem in failed:
-            if not manifest_of(path).is_file():  # a save killed before its manifest: its space is given back
-                remove_checkpoint(path)
-                log(f"skipping checkpoint {path}: {problem}; removed it")
-            else:
-                log(f"skipping checkpoint {path}: {problem}; moved it to {move_aside(files, path)}")
-    except OSError as error:
-        raise CheckpointError(f"could not move a failed checkpoint out of {files.history_dir}: {error}; "
-                              f"fix the folder's permissions, then run again") from error
-    log(f"using older checkpoint {good} instead")
-
-
-# ---- the out/ file: FP16 weights, and what the run was trained at --------------------------------
-
-def cast_state_dict(state_dict: dict, dtype: torch.dtype) -> dict:
-    """CPU copies in `dtype` that keep tied tensors tied (embedding = lm_head), so files hold them once."""
-    converted = {}
-    return {name: converted.setdefault(t.data_ptr(), t.detach().to("cpu", dtype)) for name, t in state_dict.items()}
-
-
-# What out/{run}.json holds, of the run's settings (those a run has: LoRA's are None elsewhere).
-OUT_SIDECAR_KEYS = ("max_seq_len", "lora_rank", "lora_alpha", "lora_targets", "base_file", "base_sha256",
-                    "tokenizer_vocab_sha256")
-
-
-def write_out_weights(out_path: Path, weights: dict, train_args: dict,
-                      still_held: Callable[[], None] = no_check) -> None:
-    """`out/{run}.pth`, the FP16 state dict, and beside it `out/{run}.json`, {"max_seq_len": N}: the length the
-    model was trained at, which its weights cannot tell (scripts/serve_openai_api.py refuses longer prompts);
-    for a LoRA adapter also its "lora_rank", "lora_alpha", "lora_targets" and the base it was trained on,
-    "base_file" and "base_sha256" (model/lora.py reads them); and the tokenizer's "tokenizer_vocab_sha256"
-    (a stage that starts from the weights checks it: from_weight.py). The .pth stays a plain state dict, as
-    minimind's loaders expect."""
-    try:
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(out_path, lambda f: torch.save(weights, f), still_held)
-        if "max_seq_len" in train_args:  # absent only in a state made by hand (some tests)
-            sidecar = {key: train_args[key] for key in OUT_SIDECAR_KEYS if train_args.get(key) is not None}
-            atomic_write_text(out_path.with_suffix(".json"), json.dumps(sidecar) + "\n", still_held)
-    except OSError as error:
-        raise CheckpointError(f"could not write {out_path}: {error}") from error
-
-
-def trained_length(weight_file: Path) -> int | None:
-    """The max_seq_len the weights were trained at, from the .json write_out_weights writes beside them;
-    None where there is none (minimind's weights, or older ones)."""
-    sidecar = weight_file.with_suffix(".json")
-    if not sidecar.is_file():
-        return None
-    try:
-        length = json.loads(sidecar.read_text(encoding="utf-8"))["max_seq_len"]
-    except (ValueError, KeyError, TypeError, RecursionError) as error:
-        raise RuntimeError(f'{sidecar} should hold {{"max_seq_len": N}} ({error!r}): fix or delete it') from None
-    if type(length) is not int or length < 1:  # (bool is an int: true is no length)
-        raise RuntimeError(f'{sidecar} holds "max_seq_len": {json.dumps(length)}; it should be the positive whole '
-                           f"number of tokens the model was trained at: fix or delete it")
-    return length
-
-
-def load_newest(files: RunFiles, resume_path: str | None, log: Callable[[str], None]) -> dict | None:
-    """The state of the newest good checkpoint (or `resume_path`'s); None when the run has none.
-    Rank 0 picks and verifies the file and shares its choice; every rank then loads that file."""
-    choice, state = [None], None
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        choice[0], state = _choose_checkpoint(files, resume_path, log)
-    if dist.is_initialized():
-        dist.broadcast_object_list(choice, src=0)
-    if choice[0] is None:
-        return None
-    if state is None:  # the other ranks read the file rank 0 chose and verified
-        state = load_trusted(Path(choice[0]))
-    state["resumed_from"] = choice[0]
-    return state
-
-
-def _choose_checkpoint(files: RunFiles, resume_path: str | None, log) -> tuple[str | None, dict | None]:
-    """(path, loaded state) of the checkpoint to resume; (None, None) when there is nothing."""
-    if resume_path is None:
-        found = newest_good_checkpoint(files, log)
-        if found is None and files.resume_link.is_file():  # a lone file: copied here, or minimind's
-            log(f"{files.resume_link} has no manifest, so its bytes could not be checksum-verified; "
-                f"loading it with weights_only=True")
-            return str(files.resume_link), load_trusted(files.resume_link)
-        return (None, None) if found is None else (str(found[0]), found[1])
-    path = Path(resume_path)
-    problem = verify(path)
-    if problem:
-        raise CheckpointError(f"--resume_path {path} cannot be trusted: {problem}")
-    history = [p.name for p in files.history()]
-    newer = history[:history.index(path.name)] if path.name in history else []
-    if newer and path.parent.resolve() == files.history_dir.resolve():
-        # Set newer checkpoints aside (not deleted), or a later --from_resume 1 would jump back to them.
-        aside = files.history_dir / f"discarded_after_{path.stem}"
-        aside.mkdir(exist_ok=True)
-        for p in (files.history_dir / name for name in newer):
-            for f in (p, manifest_of(p)):
-                if f.exists():
-                    os.replace(f, aside / f.name)
-        log(f"resuming from {path}; moved the newer checkpoints {', '.join(newer)} to {aside}")
-    return str(path), load_to_resume(path)

@@ -30,6 +30,10 @@ hashes_computed = 0  # files read in full to hash them, in this process: tests c
 _known_hashes: dict[str, tuple[tuple[int, int, int], str]] = {}  # path -> ((inode, size, mtime_ns), sha256)
 
 
+def no_check() -> None:
+    """The `still_held` of a write whose directory no lock guards (tools, tests): it never raises."""
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written, or none could be trusted for loading."""
 

@@ -71,7 +71,7 @@ _NOTED: set[Path] = set()  # the files check_tokenizer has said it could not che
 
 def check_tokenizer(flag: str, path: Path, tokenizer_path: str, log: Callable[[str], None]) -> None:
     """Refuse weights trained with another tokenizer than `tokenizer_path`: the same ids would stand for other
-    text, which a vocabulary of the same size does not show. The .json beside them (checkpoint_io.
+    text, which a vocabulary of the same size does not show. The .json beside them (out_weights.
     write_out_weights) records the tokenizer's model.tokenizer.vocab_sha256; without it (an earlier version's
     file, minimind's weights) a note says nothing was checked."""
     sidecar = path.with_suffix(".json")

@@ -38,9 +38,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from output_paths import atomic_write, atomic_write_text, fsync_dir
 from trainer.hardening.background_save import finish_saves
-from trainer.hardening.checkpoint_io import (RunFiles, cast_state_dict, move_aside, point_resume_at,
-                                             remove_earlier_manifest, rotate_after_save,
-                                             set_aside_unmanaged_resume_file, write_out_weights)
+from trainer.hardening.checkpoint_io import (RunFiles, move_aside, point_resume_at, remove_earlier_manifest,
+                                             rotate_after_save, set_aside_unmanaged_resume_file)
+from trainer.hardening.out_weights import cast_state_dict, write_out_weights
 from trainer.hardening.durable_files import (CheckpointError, manifest_of, manifest_path, one_line, remember_hash,
                                              sha256_of)
 from trainer.hardening.resume_checks import ConfigError
