@@ -307,7 +307,8 @@ def test_a_lora_rank_that_cannot_fit_stops_train_lora_with_one_line_before_anyth
 
 def test_a_torch_whose_fused_adamw_ignores_found_inf_is_refused_before_training():
     """The device-side skip relies on fused AdamW reading `found_inf`: this torch does (the check passes), and one
-    that ignored it (here a subclass that drops it before stepping) is refused in one line."""
+    that ignored it (here a subclass that drops it before stepping) is refused in one line; so is one that kept the
+    weight but moved the moments (a NaN in them poisons every later step)."""
     optimizer_checks.check_fused_adamw_skips()
 
     class IgnoresFoundInf(torch.optim.AdamW):
@@ -315,5 +316,18 @@ def test_a_torch_whose_fused_adamw_ignores_found_inf_is_refused_before_training(
             self.__dict__.pop("found_inf", None)
             return super().step(closure)
 
-    with pytest.raises(ConfigError, match="fused AdamW applied a step whose found_inf was set"):
-        optimizer_checks.check_fused_adamw_skips(IgnoresFoundInf)
+    class MovesTheMoments(torch.optim.AdamW):
+        def step(self, closure=None):
+            if self.__dict__.pop("found_inf", None) is None:
+                return super().step(closure)
+            weights = [p.detach().clone() for group in self.param_groups for p in group["params"]]
+            super().step(closure)
+            with torch.no_grad():
+                for p, w in zip((p for group in self.param_groups for p in group["params"]), weights):
+                    p.copy_(w)
+            for state in self.state.values():
+                state["step"] -= 1
+
+    for broken in (IgnoresFoundInf, MovesTheMoments):
+        with pytest.raises(ConfigError, match="fused AdamW on cpu applied a step whose found_inf was set"):
+            optimizer_checks.check_fused_adamw_skips(broken)

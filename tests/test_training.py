@@ -13,7 +13,8 @@ from dataset.lm_dataset import SFTDataset
 from model.model import CausalLM, LMConfig
 from model.tokenizer import PAD_ID, load_tokenizer
 from trainer.hardening.checkpoint_io import RunFiles, save_verified
-from trainer.trainer_utils import Position, RunSpec, lm_checkpoint, load_checkpoint
+from trainer.hardening.resume_checks import ConfigError
+from trainer.trainer_utils import Position, RunSpec, epoch_order, lm_checkpoint, load_checkpoint
 
 
 def step_losses(trace: list[dict]) -> list[float]:
@@ -82,7 +83,7 @@ def test_lm_checkpoint_round_trip(tmp_path):
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.randint(0, 64, (2, 8)), labels=torch.randint(0, 64, (2, 8))).loss.backward()
     optimizer.step()
-    settings = {"batch_size": 8, "accumulation_steps": 1, "global_batch_size": None, "world_size": 1}
+    settings = {"batch_size": 8, "accumulation_steps": 1, "global_batch_size": None, "world_size": 1, "seed": 42}
     run = RunSpec(settings=settings, data_fingerprint={"lines": 100}, num_samples=100,
                   global_batch=8, given_sizes={})
     at = Position(epoch=1, samples_consumed=40, global_step=17)
@@ -105,6 +106,12 @@ def test_lm_checkpoint_round_trip(tmp_path):
     earlier = {**torch.load(kept, weights_only=True), "step": 5, "global_step": 18}
     save_verified(RunFiles(tmp_path / "ckpt", "demo_32"), earlier, 18, 2, {"epoch": 1, "global_step": 18})
     assert load_checkpoint(config, "demo", str(tmp_path / "ckpt"), run)["global_step"] == 18
+    # The epoch's order as the saving torch drew it: another torch.randperm would repeat and skip samples.
+    assert state["order_head"] == epoch_order(42, 1, 100)[:8].tolist()
+    other_torch = {**torch.load(kept, weights_only=True), "order_head": epoch_order(42, 1, 100)[8:16].tolist()}
+    save_verified(RunFiles(tmp_path / "ckpt", "demo_32"), other_torch, 19, 2, {"epoch": 1, "global_step": 19})
+    with pytest.raises(ConfigError, match="orders the epoch's samples otherwise than the torch that saved it"):
+        load_checkpoint(config, "demo", str(tmp_path / "ckpt"), run)
 
 
 def test_lm_checkpoint_refuses_minimind_positional_epoch_and_step(tmp_path):

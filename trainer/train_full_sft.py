@@ -96,7 +96,7 @@ def parse_args() -> argparse.Namespace:
 class Data(NamedTuple):
     """What a step draws its batches from and sends them to: the dataset, this rank's share, the device."""
     dataset: Dataset
-    global_batch: int  # samples per optimizer step, all ranks and micro-steps together
+    global_batch: int  # samples per optimizer step, all ranks and micro-steps together (an epoch's last: fewer)
     rank: int
     world_size: int
     device: torch.device  # where the batches go (and, on CUDA, bf16 or fp16 autocast)
@@ -144,7 +144,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, data: Data, betwee
         # The loss is a sum over tokens divided by the tokens with a label in the WHOLE global batch (all ranks, all
         # micro-steps), so the gradient does not depend on the batch's split (but for rounding; MoE aside: below).
         local_tokens = sum((y[:, 1:] != -100).sum() for _, y in on_device).double()
-        global_tokens = sum_over_ranks(local_tokens.clone())
+        global_tokens = sum_over_ranks(local_tokens.clone())  # ranks exchange one number (the gradients: below)
         loss_scale = world_size / global_tokens.clamp(min=1.0)  # x world_size: DDP averages over ranks
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         for i, (input_ids, labels) in enumerate(on_device):
@@ -168,7 +168,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, data: Data, betwee
         taken.append((Step(number=at.global_step + 1, epoch=epoch, start=at.samples_consumed, end=end, lr=lr,
                            samples=samples, input_tokens=input_tokens),
                       [loss_sum, local_tokens, global_tokens, grad_norm]))
-        at = at.after(end, n)  # a step skipped on the device too: its samples count as consumed
+        at = at.after(end, n)  # also a skipped step: its samples are not trained again
         tracker.step_taken(at.global_step)  # the first prints "first step taken": a sign of life on a slow machine
         # ---- step N's log line, validation and save, at their intervals: nothing here changes step N ---------
         # The stop vote changes no number: it asks whether a signal (SIGTERM, Ctrl-C) reached any rank (a failed
@@ -178,7 +178,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, data: Data, betwee
         validate = between.val_ds is not None and (at.global_step % args.eval_interval == 0 or last)
         save_now = at.global_step % args.save_interval == 0 or at.samples_consumed == 0 or last
         if not (log_now or validate or save_now):
-            continue  # no wait for the device: step N+1 is queued behind N (MoE's routing and Muon wait each step)
+            continue  # no wait for the device: step N+1 is queued behind N (MoE waits in each layer, Muon each step)
         read, taken = read_on_host(taken), []  # the wait, as minimind's loss.item(): all steps since the last
         for step, numbers in read:
             verdict = policy.judge(step, numbers)  # anomaly policy: a bad step raises Rollback or AnomalyStop
@@ -199,7 +199,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, data: Data, betwee
             tracker.saved(at.global_step, kept, time.perf_counter() - started, saver.pop_blocked())  # its waits
         if last:
             return at, True
-    return Position(epoch + 1, 0, at.global_step), False  # `at` itself, unless a rollback left the epoch's end out
+    return Position(epoch + 1, 0, at.global_step), False  # = `at` after a last step
 
 
 def main() -> None:
@@ -274,7 +274,7 @@ def main() -> None:
                 finish_saves(saver)  # the newest checkpoint must be complete before we look for it
                 state = load_checkpoint(lm_config, args.save_weight, args.checkpoint_dir, run)
                 at = Position(*policy.rolled_back(rollback, state))  # no checkpoint yet: AnomalyStop
-                stop_at -= rollback.step.number - 1 - at.global_step  # steps trained again count again (--max_steps)
+                stop_at -= rollback.step.number - 1 - at.global_step  # --max_steps counts retrained steps
                 restore_training_state(state, model, optimizer, scaler, rank, world_size)
                 tracker.rollback(at.global_step, total_steps(at, n, global_batch, args.epochs, policy.left_out))
         # ---- 8. The end: the last save on disk, then the run's status ------------------------------

@@ -178,7 +178,7 @@ def loss_denominator(rollouts, local_tokens: torch.Tensor, loss_type: str) -> to
 class Data(NamedTuple):
     """What a step draws its batches from and sends them to: the dataset, this rank's share, the device."""
     dataset: Dataset
-    global_batch: int  # samples per optimizer step, all ranks and micro-steps together
+    global_batch: int  # samples per optimizer step, all ranks and micro-steps together (an epoch's last: fewer)
     rank: int
     world_size: int
     device: torch.device  # where the batches go (and, on CUDA, bf16 or fp16 autocast)
@@ -254,7 +254,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, data: Data, betwee
                            samples=samples, input_tokens=input_tokens),
                       [loss_sum / args.num_iterations, local_tokens, global_tokens,  # grpo: the mean update's loss,
                        torch.stack(norms).max()]))  # grpo: the largest grad norm (NaN if any: the guard sees it)
-        at = at.after(end, n)  # a step skipped on the device too: its samples count as consumed
+        at = at.after(end, n)  # also a skipped step: its samples are not trained again
         tracker.step_taken(at.global_step)  # the first prints "first step taken": a sign of life on a slow machine
         # ---- step N's log line, validation and save, at their intervals: nothing here changes step N ---------
         # The stop vote changes no number: it asks whether a signal (SIGTERM, Ctrl-C) reached any rank (a failed
@@ -264,7 +264,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, data: Data, betwee
         validate = between.val_ds is not None and (at.global_step % args.eval_interval == 0 or last)
         save_now = at.global_step % args.save_interval == 0 or at.samples_consumed == 0 or last
         if not (log_now or validate or save_now):
-            continue  # no wait for the device: step N+1 is queued behind N (MoE's routing and Muon wait each step)
+            continue  # no wait for the device: step N+1 is queued behind N (MoE waits in each layer, Muon each step)
         read, taken = read_on_host(taken), []  # the wait, as minimind's loss.item(): all steps since the last
         for step, numbers in read:
             verdict = policy.judge(step, numbers)  # anomaly policy: a bad step raises Rollback or AnomalyStop
@@ -287,7 +287,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, data: Data, betwee
             tracker.saved(at.global_step, kept, time.perf_counter() - started, saver.pop_blocked())  # its waits
         if last:
             return at, True
-    return Position(epoch + 1, 0, at.global_step), False  # `at` itself, unless a rollback left the epoch's end out
+    return Position(epoch + 1, 0, at.global_step), False  # = `at` after a last step
 
 
 def main() -> None:
@@ -363,7 +363,7 @@ def main() -> None:
                 finish_saves(saver)  # the newest checkpoint must be complete before we look for it
                 state = load_checkpoint(lm_config, args.save_weight, args.checkpoint_dir, run)
                 at = Position(*policy.rolled_back(rollback, state))  # no checkpoint yet: AnomalyStop
-                stop_at -= rollback.step.number - 1 - at.global_step  # steps trained again count again (--max_steps)
+                stop_at -= rollback.step.number - 1 - at.global_step  # --max_steps counts retrained steps
                 restore_training_state(state, model, optimizer, scaler, rank, world_size)
                 tracker.rollback(at.global_step, total_steps(at, n, global_batch, args.epochs, policy.left_out))
         # ---- 8. The end: the last save on disk, then the run's status ------------------------------

@@ -4,10 +4,9 @@
     2. the step        get_lr (follows the data), no_sync (gradient sync on the last micro-step), make_optimizer
                        (AdamW; Muon), optimizer_step (what skips a step), Step and read_on_host (step N's numbers)
     3. data order      resolve_accumulation (the global batch), samples_consumed -> SkipBatchSampler (who trains what)
-    4. checkpoints     model_config (the model the flags describe; from a file: hardening/from_weight.py),
-                       lm_checkpoint (the commented `_resume.pth` dict; the FP16 out/ file: write_checkpoint_files),
-                       load_checkpoint (the newest good one, checked; what another GPU count changes: resume_checks),
-                       restore_training_state (what a resume restores); kill -9: hardening/checkpoint_io.py's top
+    4. checkpoints     model_config, lm_checkpoint (the commented `_resume.pth` dict; the FP16 out/ file:
+                       write_checkpoint_files), load_checkpoint (the newest good one, checked; another GPU count:
+                       resume_checks), restore_training_state (what a resume restores); kill -9: checkpoint_io's top
 Every number of a step is computed here, in the script or the model's forward (the epoch's order less the windows
 rollbacks left out: hardening/anomaly_policy.py); trainer/hardening/ keeps files safe, times the log, stops runs."""
 
@@ -39,15 +38,13 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # ---- 1. running -------------------------------------------------------------------------------
 
-def sum_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` summed over every rank, in place (one process: as it is)."""
+def sum_over_ranks(tensor: torch.Tensor) -> torch.Tensor:  # in place (one process: as it is)
     if dist.is_initialized():
         dist.all_reduce(tensor)
     return tensor
 
 
-def rank0_logger(is_main: bool) -> Callable[[str], None]:
-    """`log(message)`: printed on rank 0 only, flushed, so torchrun's interleaved output stays readable."""
+def rank0_logger(is_main: bool) -> Callable[[str], None]:  # log(message): on rank 0 only, flushed
     return (lambda message: print(message, flush=True)) if is_main else (lambda message: None)
 
 
@@ -337,8 +334,7 @@ class Position(NamedTuple):
     samples_consumed: int = 0  # the data position: the one number a resume trusts
     global_step: int = 0  # optimizer steps since the run began; trackers log against it
 
-    def after(self, end: int, num_samples: int) -> "Position":
-        """Once a step that ends at cursor `end` is taken (an epoch's last step starts the next)."""
+    def after(self, end: int, num_samples: int) -> "Position":  # once a step ending at cursor `end` is taken
         return Position(self.epoch + (end == num_samples), end % num_samples, self.global_step + 1)
 
 
@@ -382,16 +378,16 @@ def lm_checkpoint(lm_config: LMConfig, weight: str, model: torch.nn.Module, opti
             "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
             "epoch": position.epoch,
             "samples_consumed": position.samples_consumed,  # the data position: the one number resume trusts
+            # The epoch's first samples as this torch draws its order: a torch that draws another is refused on resume
+            "order_head": epoch_order(run.settings["seed"], position.epoch, run.num_samples)[:8].tolist(),
             "global_step": position.global_step,  # optimizer steps since the run began; trackers log against it
             "world_size": len(rng_states), "lr": optimizer.param_groups[0]["lr"],  # (read by people: get_lr recomputes)
             # Each rank's RNG states ({"torch", "cuda", "numpy", "python"}), in rank order; a resume on the
             "rng": rng_states,  # same world size restores each rank's own (restore_training_state)
             # What resume_checks compares, to refuse a resume that would not continue this run:
             "lm_config": resume_checks.plain(lm_config.to_dict()),  # LMConfig's fields: sizes, vocab, rope, MoE
-            # {"batch_size", "accumulation_steps", "global_batch_size", "world_size", "epochs", "seed",
-            #  "max_seq_len", "pack", "learning_rate", "warmup_ratio", "grad_clip", SFT's two ratios, LoRA's
-            #  "lora_rank", "lora_alpha", "lora_targets", DPO's "beta"; LoRA and DPO: "base_file", "base_sha256",
-            #  the frozen --from_weight file named, not copied (hardening/from_weight.py: frozen_model)}
+            # {"batch_size", "accumulation_steps", "global_batch_size", "world_size", "epochs", "seed", "max_seq_len",
+            #  "learning_rate", ..., each stage's own (resume_checks.FIXED_TRAINING_ARGS), the frozen model's hash}
             "train_args": resume_checks.plain(run.settings),
             "data_fingerprint": resume_checks.plain(run.data_fingerprint),  # path, size, lines, sha256
             # The anomaly guard's memory after this step: {"detector": {"losses", "grad_norms" (the last 20
@@ -399,8 +395,7 @@ def lm_checkpoint(lm_config: LMConfig, weight: str, model: torch.nn.Module, opti
             # [epoch, start, end] windows rollbacks left out of training), "skipped_in_a_row" (non-finite steps
             # skipped since the last applied one; --max_skipped_steps)}
             "anomaly": resume_checks.plain(anomaly_state or {}),
-            # The wandb / SwanLab run ids (None: not used). A resume hands them back to `init(id=..., resume="allow")`
-            # (section 6 of the script: Tracker(..., tracker_ids=...)), so the curves continue in the same run.
+            # The wandb / SwanLab run ids (None: not used): a resume continues them (the script's Tracker(tracker_ids=))
             "tracker_ids": {name: None if run is None else str(run.id) for name, run in trackers.items()},
         }
         info = {key: state[key] for key in ("epoch", "global_step", "samples_consumed")}  # for the manifest
@@ -447,4 +442,9 @@ def load_checkpoint(lm_config: LMConfig, weight: str, checkpoint_dir: str, run: 
     # A minimind file (a step count, no sample cursor) is converted; a resume that changed the model, data or
     # settings is refused with a diff. No step is rescaled to this GPU count: the position is samples_consumed,
     # the same on any (section 3); resume_checks.gpu_count_rule says what another GPU count may change.
-    return resume_checks.checked_for_resume(state, lm_config, run, log)
+    state = resume_checks.checked_for_resume(state, lm_config, run, log)
+    drawn = epoch_order(run.settings["seed"], state["epoch"], run.num_samples)[:8].tolist()
+    if state.get("order_head", drawn) != drawn:  # another torch.randperm: samples would repeat and be skipped
+        raise resume_checks.ConfigError(f"{state['resumed_from']}: torch {torch.__version__} orders the epoch's samples"
+                                        f" otherwise than the torch that saved it; resume under that one or start anew")
+    return state

@@ -13,26 +13,33 @@ from trainer.hardening.resume_checks import ConfigError
 MUON_TORCH = "2.9"  # torch.optim.Muon first shipped in PyTorch 2.9
 
 
-def check_fused_adamw_skips(adamw: type = torch.optim.AdamW) -> None:
+def check_fused_adamw_skips(adamw: type = torch.optim.AdamW, device: str = "cpu") -> None:
     """trainer_utils.optimizer_step skips a step with a non-finite gradient by setting `optimizer.found_inf`, which
     fused AdamW hands to its kernel (as GradScaler does): torch's contract, not a public API. A torch that stopped
-    reading it would apply NaN steps, so it is tried once, on the CPU, before anything trains: a NaN gradient with
-    found_inf set must leave the weight and the step count as they were."""
-    weight = torch.nn.Parameter(torch.ones(2))
+    reading it would apply NaN steps, so it is tried before anything trains, on the CPU and on the device that trains:
+    after one ordinary step, a NaN gradient with found_inf set must leave the weight, both moments and the step count
+    exactly as they were."""
+    weight = torch.nn.Parameter(torch.ones(2, device=device))
     optimizer = adamw([weight], lr=0.1, fused=True)
+    weight.grad = torch.full_like(weight, 0.5)
+    optimizer.step()  # moments that are not zero, so that a step that moved them shows
+    before = [t.clone() for t in (weight.detach(), *optimizer.state[weight].values())]
     weight.grad = torch.full_like(weight, float("nan"))
-    optimizer.found_inf = torch.ones(())
+    optimizer.found_inf = torch.ones((), device=device)
     optimizer.step()
-    if not torch.equal(weight.detach(), torch.ones(2)) or float(optimizer.state[weight]["step"]) != 0:
-        raise ConfigError(f"torch {torch.__version__}: fused AdamW applied a step whose found_inf was set, so a NaN "
-                          f"gradient would reach the weights; use a torch from 2.4 to the one requirements.txt names")
+    after = [weight.detach(), *optimizer.state[weight].values()]
+    if len(after) != len(before) or not all(torch.equal(a, b) for a, b in zip(after, before)):
+        raise ConfigError(f"torch {torch.__version__}: fused AdamW on {device} applied a step whose found_inf was set, "
+                          f"so a NaN gradient would reach the weights; use a torch from 2.4 to the one requirements.txt "
+                          f"names")
 
 
 def check_optimizer_flags(args: argparse.Namespace) -> None:
     """Fused AdamW's skip (above); refuse --optimizer muon where it cannot run: a torch without Muon, or --parallel
     fsdp (Muon orthogonalises each matrix whole; an FSDP rank holds a slice of it). Muon's LR defaults to
     --learning_rate."""
-    check_fused_adamw_skips()
+    for device in ("cpu", "cuda") if str(args.device).startswith("cuda") and torch.cuda.is_available() else ("cpu",):
+        check_fused_adamw_skips(device=device)
     if getattr(args, "optimizer", "adamw") != "muon":
         return
     if not hasattr(torch.optim, "Muon"):
