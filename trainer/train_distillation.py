@@ -144,7 +144,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, data: Data, betwee
     rank, world_size, n = data.rank, data.world_size, len(data.dataset)  # n: samples in an epoch
     stop, policy, tracker, saver = between.stop, between.policy, between.tracker, between.saver
     epoch, last_step = at.epoch, total_steps(at, n, global_batch, args.epochs, policy.left_out)
-    # The anomaly policy, after a rollback only: the LR x --rollback_lr_factor (1: as it was), a window left out
+    # As given, unless a rollback happened: then the LR is x --rollback_lr_factor and the bad windows are left out
     base_lr, left_out = args.learning_rate * policy.lr_scale, policy.left_out_of(epoch)
     sampler = SkipBatchSampler(epoch_order(args.seed, epoch, n), at.samples_consumed, global_batch,
                                args.batch_size, rank, world_size, left_out)
@@ -191,13 +191,13 @@ def train_epoch(args, at: Position, model, optimizer, scaler, data: Data, betwee
         # The optimizer's step: skipped where a gradient is not finite, on the device with no wait (AdamW)
         optimizer_step(optimizer, scaler, grad_norm)
         optimizer.zero_grad(set_to_none=True)
-        # Step N's loss: loss_sum, added over the ranks, / global_tokens (read_on_host divides).
-        # Its numbers stay on the device until the host reads them below: `.item()` would make the host wait.
+        # Step N's loss is loss_sum added over the ranks, divided by global_tokens (read_on_host does that later):
+        # its numbers stay on the device until the host reads them below, as `.item()` here would make the host wait.
         samples, input_tokens = trained_samples(micro_batches)  # this rank's sample indices, its input tokens
         taken.append((Step(number=at.global_step + 1, epoch=epoch, start=at.samples_consumed, end=end, lr=lr,
                            samples=samples, input_tokens=input_tokens),
                       [loss_sum, local_tokens, global_tokens, grad_norm]))
-        at = at.after(end, n)  # also a skipped step: its samples are not trained again
+        at = at.after(end, n)  # the position moves past this step's samples, skipped or not
         tracker.step_taken(at.global_step)  # the first prints "first step taken": a sign of life on a slow machine
         # ---- step N's log line, validation and save, at their intervals: nothing here changes step N ---------
         # The stop vote changes no number: it asks whether a signal (SIGTERM, Ctrl-C) reached any rank (a failed
