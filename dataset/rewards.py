@@ -85,10 +85,24 @@ def tool_reward(completions: list[str], answers: list[str | None], rollouts: lis
             for rollout in rollouts]
 
 
+def call_reward(completions: list[str], answers: list[str | None], rollouts: list) -> list[float]:
+    """1.0 where a call of the rollout ran and its result holds the reference answer's number (a calculator's
+    {"result": 6762} for "6762", a weather tool's {"temperature_c": 8, ...} for "8°C"): the right tool with the right
+    arguments, whether or not the final answer then copied it. 0.0 otherwise, and where the answer has no number.
+    The answer reward pays only a rollout right end to end, which a small tool model rarely samples; this one pays
+    the step before, the call, so that a group's rollouts differ more often."""
+    rewards = []
+    for answer, rollout in zip(answers, rollouts, strict=True):
+        wanted = {as_number(n) for n in NUMBER.findall(final_answer(answer or ""))}
+        held = [{as_number(n) for n in NUMBER.findall(call.result)} for call in rollout.calls if call.result]
+        rewards.append(1.0 if len(wanted) == 1 and any(wanted <= numbers for numbers in held) else 0.0)
+    return rewards
+
+
 REWARDS: dict[str, Callable[..., list[float]]] = {"answer": answer_reward, "format": format_reward,
-                                                  "brevity": brevity_reward, "tool": tool_reward}
-NEEDS_ANSWER = {"answer"}  # the rewards that compare with the reference answer: a line must have one
-NEEDS_ROLLOUTS = {"tool"}  # the rewards called with the rollouts too (train_grpo.py --max_turns 2 or more)
+                                                  "brevity": brevity_reward, "tool": tool_reward, "call": call_reward}
+NEEDS_ANSWER = {"answer", "call"}  # the rewards that compare with the reference answer: a line must have one
+NEEDS_ROLLOUTS = {"tool", "call"}  # the rewards called with the rollouts too (train_grpo.py --max_turns 2 or more)
 
 
 def reward_functions(names: str) -> dict[str, Callable]:

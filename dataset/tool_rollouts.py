@@ -51,6 +51,7 @@ class ToolCall(NamedTuple):
     name: str | None  # None: a malformed call
     arguments: dict | None
     problem: str | None
+    result: str | None = None  # the tool's JSON text the model read, where the call ran and the tool answered
 
 
 class Rollout(NamedTuple):
@@ -89,7 +90,8 @@ def run_calls(calls: list[ToolCall], offered: dict[str, Tool], time_limit_s: flo
     for call in calls:
         result = run_tool(call.name, call.arguments, offered, time_limit_s)
         results.append(result.text if result.failure is None else error_text(result.failure))  # both bounded
-        checked.append(call._replace(problem=call.problem or result.failure))
+        checked.append(call._replace(problem=call.problem or result.failure,
+                                     result=result.text if result.failure is None else None))
     return results, checked
 
 

@@ -340,6 +340,8 @@ def test_a_reward_that_raises_returns_nan_or_the_wrong_count_is_one_line_naming_
     (["--max_turns", "0"], "--max_turns 0: must be an integer >= 1"),
     (["--rewards", "answer,tool"], "--rewards answer,tool: the tool reward scores the calls of rollouts with tools; "
                                    "give --max_turns 2 or more"),
+    (["--rewards", "answer,call"], "--rewards answer,call: the call reward scores the calls of rollouts with tools; "
+                                   "give --max_turns 2 or more"),
     (["--clip_eps", "0", "--loss_type", "cispo"], "--clip_eps 0.0: must be a finite number > 0"),
     (["--num_iterations", "0"], "--num_iterations 0: must be an integer >= 1")])
 def test_flags_grpo_cannot_use_are_refused_with_the_reason(monkeypatch, flags, message):

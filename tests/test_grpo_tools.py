@@ -165,6 +165,8 @@ def test_a_called_tool_runs_its_result_is_appended_as_the_template_renders_it_an
     assert [[call.problem for call in rollout.calls] for rollout in rollouts[0]] == [[None], [None]]
     scores, watched = score_groups(dataset.rewards, texts, ["391"], 2, rollouts)
     assert scores.tolist() == [[2.0, 1.0]]  # answer 1 + tool 1, then answer 0 + tool 1
+    # The call reward: both rows called 17 * 23, whose result holds 391, the second answered 390 all the same
+    assert score_groups(reward_functions("call"), texts, ["391"], 2, rollouts)[0].tolist() == [[1.0, 1.0]]
     assert [rollout.ran for rollout in rollouts[0]] == [1, 1] and watched[-1] == 2  # the log line's tool_calls: 1
     # One turn (--max_turns 1's length) or no room for the result: the rollout ends with its call, nothing run
     model.turns = [turn_ids(dataset, calls)]
@@ -325,3 +327,26 @@ def test_the_line_a_failed_call_gives_the_model_is_bounded_too():
     results, checked = run_calls([ToolCall("loud", {"city": "a"}, None)], loud, 2.0)
     assert len(results[0]) <= MAX_RESULT_CHARS and json.loads(results[0])["error"] == checked[0].problem
     assert checked[0].problem.startswith("tool loud: raised KeyError: 'aaa") and "characters cut" in results[0]
+
+
+def test_the_call_reward_pays_a_call_whose_result_holds_the_answers_number_and_nothing_else():
+    """The real tools' results (run_calls): a call with the right arguments is paid whatever the final answer says;
+    other arguments, an error the tool answers, no call, or an answer without one number are not."""
+    from dataset.rewards import call_reward
+    from dataset.tool_rollouts import Rollout
+
+    def rollout_of(*calls):
+        made = [ToolCall(name, arguments, None) for name, arguments in calls]
+        return Rollout(["..."], run_calls(made, DEMO_TOOLS, 2.0)[1], len(made))
+
+    rollouts = [rollout_of(("calculator", {"expression": "69*98"})),  # {"result": 6762}
+                rollout_of(("calculator", {"expression": "69*97"})),  # another number
+                rollout_of(("calculator", {"expression": "1/0"})),  # the model reads {"error": ...}: no number
+                rollout_of(("get_weather", {"city": "Paris"})),  # {"temperature_c": ...}
+                rollout_of(("calculator", {"expression": "69*97"}), ("calculator", {"expression": "69*98"})),
+                Rollout(["6762"], [], 0)]  # the right answer without a call
+    paris = json.loads(run_tool("get_weather", {"city": "Paris"}).text)["temperature_c"]
+    answers = ["6762", "6762", "6762", f"{paris}°C", "6762", "6762"]
+    assert call_reward(["wrong"] * 6, answers, rollouts) == [1.0, 0.0, 0.0, 1.0, 1.0, 0.0]
+    assert json.loads(rollouts[2].calls[0].result) == {"error": "division by zero"}
+    assert call_reward(["x"], ["no number"], rollouts[:1]) == [0.0]

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dataset.rewards import NEEDS_ROLLOUTS
 from model.lora import LORA_TARGETS
 from model.model import LMConfig, default_intermediate_size
 from trainer.hardening.anomaly import parse_injection
@@ -181,9 +182,10 @@ def check_grpo_flags(args: argparse.Namespace) -> None:
     if args.max_completion_len >= args.max_seq_len:
         raise ConfigError(f"--max_completion_len {args.max_completion_len}: must be below --max_seq_len "
                           f"{args.max_seq_len} (the prompt gets the rest)")
-    if "tool" in [name.strip() for name in args.rewards.split(",")] and args.max_turns == 1:
-        raise ConfigError(f"--rewards {args.rewards}: the tool reward scores the calls of rollouts with tools; give "
-                          f"--max_turns 2 or more")
+    on_calls = [name for name in (part.strip() for part in args.rewards.split(",")) if name in NEEDS_ROLLOUTS]
+    if on_calls and args.max_turns == 1:
+        raise ConfigError(f"--rewards {args.rewards}: the {on_calls[0]} reward scores the calls of rollouts with "
+                          f"tools; give --max_turns 2 or more")
 
 
 def check_model_shape(args: argparse.Namespace) -> None:
