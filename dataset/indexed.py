@@ -34,4 +34,4 @@ class IndexedDataset(Dataset):
 
     def __getitem__(self, index: int) -> tuple[int, torch.Tensor, torch.Tensor]:
         input_ids, labels = self.dataset[max(index, 0)]
-        return index, input_ids, labels if index != PLACEHOLDER_INDEX else torch.full_like(labels, -100)
+        return index, input_ids, (labels if index != PLACEHOLDER_INDEX else torch.full_like(labels, -100))

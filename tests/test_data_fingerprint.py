@@ -57,3 +57,17 @@ def test_a_checkpoint_without_the_whole_file_hash_compares_what_it_has_and_says_
     with pytest.raises(ResumeMismatch, match="data.sample_sha256"):
         check_resume_compatible({**saved, "data_fingerprint": {**earlier, "sample_sha256": "0" * 64}},
                                 {"hidden_size": 32}, fingerprint, settings)
+
+
+def test_a_resume_with_another_tokenizer_is_refused_and_a_checkpoint_without_its_record_says_so():
+    """The same data file read by another tokenizer of the same size is other ids: the vocab hash is compared."""
+    settings = {"batch_size": 4, "accumulation_steps": 1, "global_batch_size": None, "world_size": 1,
+                "tokenizer_vocab_sha256": "a" * 64}
+    saved = {"lm_config": {"hidden_size": 32}, "data_fingerprint": {"sha256": "x"}, "train_args": settings}
+    assert check_resume_compatible(saved, {"hidden_size": 32}, {"sha256": "x"}, settings) == []
+    with pytest.raises(ResumeMismatch, match="args.tokenizer_vocab_sha256: checkpoint has 'aaaa"):
+        check_resume_compatible(saved, {"hidden_size": 32}, {"sha256": "x"},
+                                {**settings, "tokenizer_vocab_sha256": "b" * 64})
+    earlier = {**saved, "train_args": {k: v for k, v in settings.items() if k != "tokenizer_vocab_sha256"}}
+    notes = check_resume_compatible(earlier, {"hidden_size": 32}, {"sha256": "x"}, settings)
+    assert len(notes) == 1 and "no record of its tokenizer" in notes[0]

@@ -185,7 +185,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, data: Data, betwee
             verdict = policy.judge(step, numbers)  # anomaly policy: a bad step raises Rollback or AnomalyStop
             tracker.step(step, numbers, verdict)  # its trace line (--save_debug_train_output), tokens/s
         step, numbers = read[-1]  # step N, as the host now knows it: its LR, its loss over the global batch
-        if log_now:  # one line: epoch, step, steps to go, loss, lr, grad_norm, tokens/s, ETA (tracking.py: the format)
+        if log_now:  # one line: epoch, step, steps to go, step N's loss (no mean), lr, grad_norm, tokens/s, ETA
             tracker.log({"epoch": step.epoch, "samples_consumed": at.samples_consumed, "loss": numbers.loss,
                          "lr": step.lr, "grad_norm": numbers.grad_norm},
                         at.global_step, last_step)

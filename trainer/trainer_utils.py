@@ -69,7 +69,7 @@ def get_lr(progress: float, base_lr: float, warmup_ratio: float) -> float:
 def no_sync(model: torch.nn.Module, accumulate_only: bool = True) -> Iterator[None]:
     """A micro-step whose gradients are only accumulated, not yet all-reduced: DDP's no_sync (FSDP: its switch).
     `accumulate_only` False (a step's last micro-step): nothing changes, the gradients are reduced once per step."""
-    if not accumulate_only or not sharding.is_sharded(model) and not hasattr(model, "no_sync"):
+    if not accumulate_only or (not sharding.is_sharded(model) and not hasattr(model, "no_sync")):  # 1 process
         yield
     elif not sharding.is_sharded(model):
         with model.no_sync():
@@ -419,8 +419,8 @@ def lm_checkpoint(lm_config: LMConfig, weight: str, model: torch.nn.Module, opti
 
 def write_checkpoint_files(files: checkpoint_io.RunFiles, out_path: Path, copy: dict, info: dict,
                            keep_last: int) -> None:
-    """From the CPU copy of step N: out/{run}.pth, {run}_history/step_N.pth, its manifest, `_resume.pth` (a hard link
-    to it), `_latest.txt`, each via a temp file. Why a kill -9 loses nothing: hardening/checkpoint_io.py's top."""
+    """From the CPU copy of step N: out/{run}.pth and .json, {run}_history/step_N.pth, its manifest, `_resume.pth` (a
+    hard link), `_latest.txt`, each via a temp file. Why a kill -9 loses nothing: hardening/checkpoint_io.py's top."""
     raise_if_lock_lost()  # LockLost if another run took these directories over (run_lock.py): nothing written
     # The out/ file: every weight cast to FP16, half the bytes, for inference and the next stage (the resume file
     # keeps the FP32 masters). Tensors that share storage (the tied embedding and lm_head) stay one tensor.

@@ -1,8 +1,9 @@
 """Refusing a resume that would not continue the run, and reading minimind's resume files.
 
-A resume continues the run exactly only if the model config, the data file and the settings that decide
-which samples form a step and the LR curve are unchanged. `check_resume_compatible` refuses any other
-change with a diff naming each field. Called once, from trainer_utils.load_checkpoint (checked_for_resume),
+A resume continues the run exactly only if the model config, the data file, the tokenizer and the settings that
+decide which samples form a step and the LR curve are unchanged. `check_resume_compatible` refuses a change of any
+of them with a diff naming each field (FIXED_TRAINING_ARGS lists the settings; --dtype, the intervals and the
+operator flags may change: they change how the run is computed or watched, not what it trains on). Called once, from trainer_utils.load_checkpoint (checked_for_resume),
 with the GPU-count rule (gpu_count_rule: what another world size may change).
 """
 
@@ -94,6 +95,12 @@ def check_resume_compatible(saved: dict, lm_config: dict, fingerprint: dict, tra
     old = saved["train_args"]
     # A setting missing on either side (an older checkpoint, a caller without the flag) had its default.
     problems += _diff("args", {**SETTING_DEFAULTS, **old}, {**SETTING_DEFAULTS, **train_args}, FIXED_TRAINING_ARGS)
+    # The tokenizer: the same data file read by another one of the same size is other ids, which nothing above shows
+    if old.get("tokenizer_vocab_sha256") is not None:
+        problems += _diff("args", old, train_args, ("tokenizer_vocab_sha256",))
+    elif train_args.get("tokenizer_vocab_sha256") is not None:
+        notes.append("the checkpoint has no record of its tokenizer (written by an earlier version): one of the same "
+                     "size with other tokens would go unnoticed")
     refuse(problems)
     return notes
 
