@@ -132,7 +132,7 @@ class Between(NamedTuple):
     policy: AnomalyPolicy  # each step's verdict; after a rollback: LR x --rollback_lr_factor, a window left out
     tracker: Tracker  # the log line, the debug trace, the status and metrics files, tokens/s
     val_ds: Dataset | None  # --val_data's dataset
-    saver: BackgroundSaver  # lm_checkpoint's file writes (on a thread with --async_save)
+    saver: BackgroundSaver  # lm_checkpoint's file writes (on a thread: --async_save, 1 by default)
     run: RunSpec  # what a checkpoint records and a resume checks: settings, data fingerprint
     lm_config: LMConfig  # the model's shape, saved beside its weights
 
@@ -210,7 +210,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, data: Data, betwee
             continue  # no wait for the device: step N+1 is queued behind N (MoE waits in each layer, Muon each step)
         read, taken = read_on_host(taken), []  # the wait, as minimind's loss.item(): all steps since the last
         for step, numbers in read:
-            verdict = policy.judge(step, numbers)  # anomaly policy: a bad step raises Rollback or AnomalyStop
+            verdict = policy.judge(step, numbers)  # bad: --on_anomaly warn (default) logs; stop, rollback raise
             tracker.step(step, numbers, verdict)  # its trace line (--save_debug_train_output), tokens/s
         step, numbers = read[-1]  # step N, as the host now knows it: its LR, its loss over the global batch
         if log_now:  # one line: epoch, step, steps to go, step N's loss (no mean), lr, grad_norm, tokens/s, ETA
