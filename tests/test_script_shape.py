@@ -19,7 +19,7 @@ ALL_SCRIPTS = (*SCRIPTS, "train_lora.py", "train_dpo.py", "train_grpo.py", "trai
 # docstrings list what they change from SFT's; GRPO's carries its three loss types and the mu updates of a step.
 # Each also declares `Data` and `Between`, the bundles train_epoch takes (what a step draws its batches from; what
 # it calls between steps), field by field, and builds autocast where the step uses it.
-MAX_LINES = {"train_pretrain.py": 292, "train_full_sft.py": 292, "train_lora.py": 312, "train_dpo.py": 343,
+MAX_LINES = {"train_pretrain.py": 292, "train_full_sft.py": 292, "train_lora.py": 313, "train_dpo.py": 343,
              "train_grpo.py": 381, "train_distillation.py": 328}
 
 

@@ -295,7 +295,8 @@ def main() -> None:
                 finish_saves(saver)  # the newest checkpoint must be complete before we look for it
                 state = load_checkpoint(lm_config, args.save_weight, args.checkpoint_dir, run)
                 at = Position(*policy.rolled_back(rollback, state))  # no checkpoint yet: AnomalyStop
-                stop_at -= rollback.step.number - 1 - at.global_step  # --max_steps counts retrained steps
+                # --max_steps counts steps taken: those retrained from the checkpoint count again, the bad one
+                stop_at -= rollback.step.number - 1 - at.global_step  # and any queued after it do not
                 restore_training_state(state, adapter, optimizer, scaler, rank, world_size)  # lora
                 tracker.rollback(at.global_step, total_steps(at, n, global_batch, args.epochs, policy.left_out))
         # ---- 8. The end: the last save on disk, then the run's status ------------------------------
