@@ -500,3 +500,31 @@ def test_the_settings_beside_an_out_file_are_not_taken_for_an_earlier_manifest(t
     kept.write_bytes(b"x")
     (tmp_path / "ckpt" / "step_00000001.json").write_text("{}")  # an earlier version's name: still read
     assert durable_files.manifest_of(kept) == tmp_path / "ckpt" / "step_00000001.json"
+
+
+def test_a_fresh_run_moves_an_earlier_runs_checkpoints_aside_whole_and_a_resume_continues_the_fresh_one(
+        tmp_path, pretrain_data):
+    """Its saves would have replaced the earlier run's step files of the same names, and a later --from_resume 1
+    would have continued the earlier run from its newest step: its checkpoints move, byte for byte, into a folder
+    of their own, and the fresh run's history holds its own files only."""
+    args = ["--data_path", str(pretrain_data), "--save_dir", str(tmp_path / "out"),
+            "--checkpoint_dir", str(tmp_path / "ckpt"), "--batch_size", "4", "--save_interval", "2", "--log_interval", "2"]
+    train("train_pretrain.py", None, [*args, "--max_steps", "4"], tmp_path)
+    history = tmp_path / "ckpt" / f"{PRETRAIN_RUN}_history"
+    earlier = {p.name: p.read_bytes() for p in history.iterdir() if p.is_file()}
+    assert sorted(earlier) == ["step_00000002.pth", "step_00000002.pth.json", "step_00000004.pth",
+                               "step_00000004.pth.json"]
+
+    fresh = train("train_pretrain.py", None, [*args, "--max_steps", "2", "--seed", "7"], tmp_path)
+    aside = [p for p in (tmp_path / "ckpt").iterdir() if p.name.startswith(f"{PRETRAIN_RUN}_earlier_")]
+    assert len(aside) == 1 and f"(newest step 4) were moved, whole, to {aside[0]}" in fresh.stdout
+    assert {p.name: p.read_bytes() for p in (aside[0] / history.name).iterdir() if p.is_file()} == earlier
+    assert sorted(p.name for p in aside[0].iterdir()) == [f"{PRETRAIN_RUN}_history", f"{PRETRAIN_RUN}_latest.txt",
+                                                         f"{PRETRAIN_RUN}_resume.pth"]
+    assert sorted(p.name for p in history.iterdir()) == ["step_00000002.pth", "step_00000002.pth.json"]
+
+    resumed = train("train_pretrain.py", None, [*args, "--max_steps", "2", "--seed", "7", "--from_resume", "1"],
+                    tmp_path)
+    assert f"{history / 'step_00000002.pth'} saved at step 2" in resumed.stdout
+    state = torch.load(tmp_path / "ckpt" / f"{PRETRAIN_RUN}_resume.pth", weights_only=True)
+    assert state["global_step"] == 4 and state["train_args"]["seed"] == 7

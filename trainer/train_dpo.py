@@ -224,7 +224,7 @@ def train_epoch(args, at: Position, model, optimizer, scaler, data: Data, betwee
         validate = between.val_ds is not None and (at.global_step % args.eval_interval == 0 or last)
         save_now = at.global_step % args.save_interval == 0 or at.samples_consumed == 0 or last
         if not (log_now or validate or save_now):
-            continue  # no wait for the device: step N+1 is queued behind N (MoE waits in each layer, Muon each step)
+            continue  # no wait for the device: step N+1 is queued behind N (MoE: per expert and layer; Muon: each step)
         read, taken = read_on_host(taken), []  # the wait, as minimind's loss.item(): all steps since the last
         for step, numbers in read:
             verdict = policy.judge(step, numbers)  # bad: --on_anomaly warn (default) logs; stop, rollback raise

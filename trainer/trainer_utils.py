@@ -219,17 +219,17 @@ def read_on_host(taken: list[tuple[Step, list[torch.Tensor]]]) -> list[tuple[Ste
 
 
 # ---- 3. data order -----------------------------------------------------------------------------
-# The whole data position of a run is one number: `samples_consumed`, how many samples of the
-# current epoch's permutation all ranks together have trained on. Everything else is derived:
+# The whole data position of a run is one number: `samples_consumed`, how far into the current epoch's
+# permutation all ranks together have got (trained, or a skipped step's). Everything else is derived:
 #     order     = epoch_order(seed, epoch, len(dataset))      # same for python and torchrun
 #     remaining = order[samples_consumed:]                    # a view: skipping costs O(1)
 #     step s    = remaining[s*G : (s+1)*G]                    # G = the global batch
 #     rank r    = step[r::world_size]                         # interleaved share, no overlap
 #
-# A run stopped after k full steps has consumed k*G more samples (fewer where a rollback left a window out), and a
-# run resumed on another world size continues at that cursor. The last step of an epoch may be short; every rank
-# still runs the same number of micro-steps (DDP needs that), and a rank without data in a slot gets a placeholder
-# row, labels all ignored: nothing in the next-token loss or its gradient (under MoE it is routed: in aux_loss).
+# After k more full steps the cursor is k*G further (and past any window a rollback left out); a run resumed on
+# another world size continues there. The last step of an epoch may be short; every rank still runs the same
+# number of micro-steps (DDP needs that), and a rank without data in a slot gets a placeholder row, labels all
+# ignored: nothing in the next-token loss or its gradient (under MoE it is routed: in aux_loss).
 
 def resolve_accumulation(batch_size: int, world_size: int, accumulation_steps: int,
                          global_batch_size: int | None) -> tuple[int, int]:
@@ -420,7 +420,7 @@ def lm_checkpoint(lm_config: LMConfig, weight: str, model: torch.nn.Module, opti
 def write_checkpoint_files(files: checkpoint_io.RunFiles, out_path: Path, copy: dict, info: dict,
                            keep_last: int) -> None:
     """From the CPU copy of step N: out/{run}.pth and .json, {run}_history/step_N.pth, its manifest, `_resume.pth` (a
-    hard link), `_latest.txt`, each via a temp file. Why a kill -9 loses nothing: hardening/checkpoint_io.py's top."""
+    hard link), `_latest.txt`, each via a temp file. Why a kill -9 tears none: hardening/checkpoint_io.py's top."""
     raise_if_lock_lost()  # LockLost if another run took these directories over (run_lock.py): nothing written
     # The out/ file: every weight cast to FP16, half the bytes, for inference and the next stage (the resume file
     # keeps the FP32 masters). Tensors that share storage (the tied embedding and lm_head) stay one tensor.

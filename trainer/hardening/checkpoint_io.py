@@ -9,7 +9,8 @@ file (`load_newest`), then what both call. trainer_utils.lm_checkpoint says what
         step_00000300.pth.json  its manifest: size, sha256, epoch, step, samples consumed
         failed_verification/    files that failed their manifest check or to load: moved here, logged, kept
 
-Why a kill at any instant loses nothing:
+Why a kill at any instant tears no checkpoint (a resume continues from the newest save that completed; steps after
+it are trained again, as is one whose write a background save had not finished):
   1. Every file is written under a temp name of its own, fsynced and renamed over its real name
      (output_paths.atomic_write): a name holds the old bytes or the new ones, never half of them.
   2. A save writes a new file (step_N.pth), then its manifest, and only then moves the link and the pointer and
@@ -17,8 +18,9 @@ Why a kill at any instant loses nothing:
   3. A resume takes the newest history file whose size and SHA-256 match its manifest and that loads
      (torch.load, weights_only); newer ones that fail are moved aside, one line each; none good is an error,
      never a silent fresh start.
-A save never overwrites a good checkpoint (rotation removes those past --keep_last; out/{run}.pth, written first,
-may be newer than the checkpoint a run resumes from after a failed save). A sharded checkpoint is a folder
+A save never overwrites a good checkpoint (rotation removes those past --keep_last; a fresh run moves an earlier
+run's aside at start: directory_checks.set_aside_earlier_run; out/{run}.pth, written first, may be newer than the
+checkpoint a run resumes from after a failed save). A sharded checkpoint is a folder
 (sharded_checkpoint.py reads it, sharding.py writes it); the temp files of killed writes are removed at start
 (directory_checks.py), holding the directory lock.
 """

@@ -1,15 +1,48 @@
 """What a run checks in its directories at start, holding their lock (run_lock.claim_run_directories): the temp
-files that killed writes of this run left, and anything that stands where a save must write."""
+files that killed writes of this run left, an earlier run's checkpoints where a fresh run of the same name would
+save, and anything that stands where a save must write."""
 
 from __future__ import annotations
 
 import os
 import re
 import stat
+import time
 from pathlib import Path
 from typing import Callable
 
-from trainer.hardening.checkpoint_io import STEP_FILE_NAME, TEMP_TAIL, CheckpointError, RunFiles
+from output_paths import fsync_dir
+from trainer.hardening.checkpoint_io import (HISTORY_NAME, STEP_FILE_NAME, TEMP_TAIL, CheckpointError, RunFiles,
+                                             is_managed)
+from trainer.hardening.durable_files import manifest_of
+
+
+def set_aside_earlier_run(files: RunFiles, log: Callable[[str], None]) -> Path | None:
+    """A fresh run (no --from_resume) whose checkpoint folder holds an earlier run's checkpoints of the same name: the
+    history, the latest pointer and the resume link (where it is one of the history's files) move, whole, into
+    `{name}_earlier_{time}/` beside them, so that this run's saves overwrite none of them and a later --from_resume 1
+    continues this run, not that one. Returns that folder, or None where there was nothing. Holding the lock."""
+    history = sorted(files.history_dir.iterdir()) if files.history_dir.is_dir() else []
+    managed_link = files.resume_link.is_file() and is_managed(files, files.resume_link)
+    earlier = ([files.history_dir] if history else []) + [files.resume_link] * managed_link + \
+        [files.latest_pointer] * os.path.lexists(files.latest_pointer)
+    if not earlier:
+        return None
+    stamp, n = time.strftime("%Y%m%d-%H%M%S"), 1
+    aside = files.checkpoint_dir / f"{files.name}_earlier_{stamp}"
+    while os.path.lexists(aside):
+        n += 1
+        aside = files.checkpoint_dir / f"{files.name}_earlier_{stamp}.{n}"
+    steps = [int(HISTORY_NAME.match(p.name).group(1)) for p in files.history() if manifest_of(p).is_file()]
+    aside.mkdir()
+    for path in earlier:
+        os.replace(path, aside / path.name)
+    fsync_dir(aside)
+    fsync_dir(files.checkpoint_dir)
+    newest = f"newest step {max(steps)}" if steps else "none complete"
+    log(f"a fresh run (no --from_resume 1): the earlier run's checkpoints of {files.name} ({newest}) were moved, "
+        f"whole, to {aside}; --from_resume 1 continues this run from now on")
+    return aside
 
 def find_obstructions(files: RunFiles, out_path: Path) -> list[str]:
     """What stands where a save must write, one entry per path: a folder, fifo or broken link where a file

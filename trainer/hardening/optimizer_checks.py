@@ -30,8 +30,8 @@ def check_fused_adamw_skips(adamw: type = torch.optim.AdamW, device: str = "cpu"
     after = [weight.detach(), *optimizer.state[weight].values()]
     if len(after) != len(before) or not all(torch.equal(a, b) for a, b in zip(after, before)):
         raise ConfigError(f"torch {torch.__version__}: fused AdamW on {device} applied a step whose found_inf was set, "
-                          f"so a NaN gradient would reach the weights; use a torch from 2.4 to the one requirements.txt "
-                          f"names")
+                          f"so a NaN gradient would reach the weights; use a torch from 2.4 to the one "
+                          f"requirements.txt names")
 
 
 def check_optimizer_flags(args: argparse.Namespace) -> None:

@@ -3,8 +3,9 @@
 A resume continues the run exactly only if the model config, the data file, the tokenizer and the settings that
 decide which samples form a step and the LR curve are unchanged. `check_resume_compatible` refuses a change of any
 of them with a diff naming each field (FIXED_TRAINING_ARGS lists the settings; --dtype, the intervals and the
-operator flags may change: they change how the run is computed or watched, not what it trains on). Called once, from trainer_utils.load_checkpoint (checked_for_resume),
-with the GPU-count rule (gpu_count_rule: what another world size may change).
+operator flags may change: they change how the run is computed or watched, not what it trains on). Called once,
+from trainer_utils.load_checkpoint (checked_for_resume), with the GPU-count rule (gpu_count_rule: what another
+world size may change).
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 from output_paths import OutputPathError, create_new, output_problem
 from trainer.hardening.checkpoint_io import CheckpointError, RunFiles, atomic_write_text
-from trainer.hardening.directory_checks import check_no_obstructions, remove_stale_temp_files
+from trainer.hardening.directory_checks import check_no_obstructions, remove_stale_temp_files, set_aside_earlier_run
 from trainer.hardening.resume_checks import ConfigError
 from trainer.hardening.writer_lock import WritersLock
 
@@ -405,6 +405,8 @@ def claim_run_directories(args, run_name: str, log: Callable[[str], None]) -> No
                     if OWN_TEMP.match(leftover.name):
                         leftover.unlink()
                         log(f"removed {leftover}, left by a write that was killed")
+            if not (args.from_resume or getattr(args, "resume_path", None)):
+                set_aside_earlier_run(files, log)  # their saves would overwrite its files; its resume, continue it
             check_no_obstructions(files, out_path)
             outcome[1] = _held[0].record["token"]
             _stop_beating.clear()  # set by an earlier release in this process, if any
