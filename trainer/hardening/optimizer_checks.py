@@ -38,7 +38,8 @@ def check_optimizer_flags(args: argparse.Namespace) -> None:
     """Fused AdamW's skip (above); refuse --optimizer muon where it cannot run: a torch without Muon, or --parallel
     fsdp (Muon orthogonalises each matrix whole; an FSDP rank holds a slice of it). Muon's LR defaults to
     --learning_rate."""
-    for device in ("cpu", "cuda") if str(args.device).startswith("cuda") and torch.cuda.is_available() else ("cpu",):
+    on_cuda = str(getattr(args, "device", "cpu")).startswith("cuda") and torch.cuda.is_available()
+    for device in ("cpu", "cuda") if on_cuda else ("cpu",):
         check_fused_adamw_skips(device=device)
     if getattr(args, "optimizer", "adamw") != "muon":
         return
