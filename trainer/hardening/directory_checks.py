@@ -22,9 +22,9 @@ def set_aside_earlier_run(files: RunFiles, log: Callable[[str], None]) -> Path |
     history, the latest pointer and the resume link (where it is one of the history's files) move, whole, into
     `{name}_earlier_{time}/` beside them, so that this run's saves overwrite none of them and a later --from_resume 1
     continues this run, not that one. Returns that folder, or None where there was nothing. Holding the lock."""
-    history = sorted(files.history_dir.iterdir()) if files.history_dir.is_dir() else []
+    has_history = files.history_dir.is_dir() and any(files.history_dir.iterdir())
     managed_link = files.resume_link.is_file() and is_managed(files, files.resume_link)
-    earlier = ([files.history_dir] if history else []) + [files.resume_link] * managed_link + \
+    earlier = [files.history_dir] * has_history + [files.resume_link] * managed_link + \
         [files.latest_pointer] * os.path.lexists(files.latest_pointer)
     if not earlier:
         return None
@@ -43,6 +43,7 @@ def set_aside_earlier_run(files: RunFiles, log: Callable[[str], None]) -> Path |
     log(f"a fresh run (no --from_resume 1): the earlier run's checkpoints of {files.name} ({newest}) were moved, "
         f"whole, to {aside}; --from_resume 1 continues this run from now on")
     return aside
+
 
 def find_obstructions(files: RunFiles, out_path: Path) -> list[str]:
     """What stands where a save must write, one entry per path: a folder, fifo or broken link where a file
